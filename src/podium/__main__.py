@@ -1,0 +1,3 @@
+from podium.cli.main import main
+
+main()

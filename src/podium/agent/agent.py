@@ -1,0 +1,297 @@
+"""The agent's main loop: connect (with backoff, over a list of servers), say Hello with what it
+still runs, heartbeat, run what it is assigned, report, reconnect.
+
+Reports that matter survive a lost stream: the end of an attempt is re-sent on every reconnect until
+a server acknowledges it, and a Hello names every attempt the agent still holds with its phase, so the
+server can catch up on anything lost with the old stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from podium import __version__
+from podium.agent.process_backend import ProcessRun
+from podium.proto.podium.v1 import agent_pb2 as pb
+from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
+from podium.timing import Timing
+
+log = logging.getLogger(__name__)
+
+K = pb.TaskEvent.Kind
+MAX_BUFFERED = 100_000  # messages kept while no server is reachable; the oldest logs go first
+BACKOFF_MIN = 0.2
+BACKOFF_MAX = 10.0
+
+
+@dataclass
+class AgentConfig:
+    servers: list[str]
+    state_dir: Path
+    name: str
+    labels: dict[str, str] = field(default_factory=dict)
+    cpu_millis: int = 1000
+    memory_bytes: int = 2**30
+    disk_bytes: int = 0
+    slots: int = 4
+    pool: str = "default"
+    arch: str = "x86_64"
+    capabilities: list[str] = field(default_factory=list)
+    gpu_indexes: list[int] = field(default_factory=list)
+    credential: str = ""
+    journal: Path | None = None  # ground truth: what this agent actually started and stopped
+    drop_assigns: bool = False  # for fault tests: a node that never accepts
+
+
+@dataclass(eq=False)
+class Attempt:
+    task_id: str
+    token: int
+    attempt: int
+    spec: dict
+    phase: str = "provisioning"
+    run: ProcessRun | None = None
+    final: pb.TaskEvent | None = None  # kept until a server acknowledges it
+    seq: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+    cancel_requested: bool = False
+    runner: asyncio.Task | None = None
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, node_id: str, timing: Timing) -> None:
+        self.cfg = config
+        self.node_id = node_id
+        self.timing = timing
+        self.heartbeat_seconds = timing.heartbeat
+        self.kill_grace = timing.kill_grace
+        self.attempts: dict[int, Attempt] = {}
+        self._outq: asyncio.Queue[pb.AgentMessage] | None = None  # the live stream's queue
+        self._buffer: deque[pb.AgentMessage] = deque()  # what waits for a stream
+        self.connected = asyncio.Event()
+        self.workdir = config.state_dir / "tasks"
+
+    # ---- ground truth ------------------------------------------------------------------------
+
+    def _journal(self, **entry: object) -> None:
+        if self.cfg.journal is None:
+            return
+        entry["t"] = time.time()
+        entry["node"] = self.node_id
+        with open(self.cfg.journal, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+
+    # ---- sending ------------------------------------------------------------------------------
+
+    def _send(self, msg: pb.AgentMessage) -> None:
+        if self._outq is not None:
+            self._outq.put_nowait(msg)
+            return
+        self._buffer.append(msg)
+        while len(self._buffer) > MAX_BUFFERED:
+            self._buffer.popleft()
+
+    def _event(self, a: Attempt, kind: int, exit_code: int = 0, message: str = "") -> None:
+        ev = pb.TaskEvent(task_id=a.task_id, fencing_token=a.token, kind=kind, exit_code=exit_code, message=message)
+        if kind in (K.EXITED, K.FAILED_RETRYABLE, K.NOT_RUNNING):
+            a.final = ev
+            a.phase = "exited"
+        self._send(pb.AgentMessage(event=ev))
+
+    # ---- connection -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        backoff = BACKOFF_MIN
+        i = 0
+        while True:
+            server = self.cfg.servers[i % len(self.cfg.servers)]
+            started = time.monotonic()
+            try:
+                await self._session(server)
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                    log.error("server %s refused this node: %s", server, e.details())
+                else:
+                    log.warning("stream to %s ended: %s %s", server, e.code().name, e.details())
+            except (OSError, asyncio.TimeoutError) as e:
+                log.warning("stream to %s failed: %s", server, e)
+            finally:
+                self._outq = None
+                self.connected.clear()
+            if time.monotonic() - started > 5:
+                backoff = BACKOFF_MIN  # it was a working session: reconnect quickly
+            i += 1
+            delay = backoff * (0.5 + random.random())
+            log.info("reconnecting in %.1fs", delay)
+            await asyncio.sleep(delay)
+            backoff = min(BACKOFF_MAX, backoff * 2)
+
+    def _hello(self) -> pb.AgentMessage:
+        c = self.cfg
+        return pb.AgentMessage(hello=pb.Hello(
+            node_id=self.node_id, name=c.name, credential=c.credential, labels=c.labels,
+            capacity=pb.Resources(cpu_millis=c.cpu_millis, memory_bytes=c.memory_bytes, disk_bytes=c.disk_bytes,
+                                  gpus=len(c.gpu_indexes), slots=c.slots),
+            backends=["process"], pool=c.pool, arch=c.arch, capabilities=c.capabilities,
+            protocol_min=1, protocol_max=1, gpu_indexes=c.gpu_indexes, agent_version=__version__,
+            tasks=[pb.RunningTask(task_id=a.task_id, fencing_token=a.token, phase=a.phase)
+                   for a in self.attempts.values()],
+        ))  # fmt: skip
+
+    async def _session(self, server: str) -> None:
+        outq: asyncio.Queue[pb.AgentMessage] = asyncio.Queue()
+
+        async def requests():
+            yield self._hello()
+            while True:
+                yield await outq.get()
+
+        async with grpc.aio.insecure_channel(server) as channel:
+            stub = pb_grpc.AgentGatewayStub(channel)
+            call = stub.Connect(requests())
+            first = await asyncio.wait_for(call.read(), timeout=30)
+            if first is grpc.aio.EOF or not first.HasField("welcome"):
+                raise OSError("the server did not answer the Hello with a Welcome")
+            w = first.welcome
+            self.heartbeat_seconds = w.heartbeat_seconds or self.heartbeat_seconds
+            self.kill_grace = w.kill_grace_seconds or self.kill_grace
+            log.info("connected to %s (server %s) as %s", server, w.server_id, self.node_id)
+            # what is owed from before: unacknowledged ends first, then whatever waited for a stream
+            for a in list(self.attempts.values()):
+                if a.final is not None:
+                    outq.put_nowait(pb.AgentMessage(event=a.final))
+            while self._buffer:
+                msg = self._buffer.popleft()
+                if msg.HasField("event") and msg.event.kind in (K.EXITED, K.FAILED_RETRYABLE, K.NOT_RUNNING):
+                    continue  # already re-sent above from the attempt itself
+                outq.put_nowait(msg)
+            self._outq = outq
+            self.connected.set()
+            beat = asyncio.get_running_loop().create_task(self._heartbeats(outq), name="agent.heartbeat")
+            try:
+                while True:
+                    msg = await call.read()
+                    if msg is grpc.aio.EOF:
+                        raise OSError("the server closed the stream")
+                    self._on_message(msg)
+            finally:
+                beat.cancel()
+                self._outq = None
+                # keep what was not handed to the transport for the next stream
+                while not outq.empty():
+                    self._buffer.append(outq.get_nowait())
+
+    async def _heartbeats(self, outq: asyncio.Queue[pb.AgentMessage]) -> None:
+        seq = 0
+        while True:
+            seq += 1
+            outq.put_nowait(pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq, running=len(self.attempts))))
+            await asyncio.sleep(self.heartbeat_seconds)
+
+    def _on_message(self, msg: pb.ServerMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "assign":
+            self._on_assign(msg.assign)
+        elif kind == "cancel":
+            self._on_cancel(msg.cancel)
+        elif kind == "ack":
+            a = self.attempts.get(msg.ack.fencing_token)
+            if a is not None and a.final is not None:
+                del self.attempts[a.token]
+        elif kind == "drain":
+            log.info("server says draining=%s", msg.drain.draining)
+
+    # ---- running tasks -------------------------------------------------------------------------
+
+    def _on_assign(self, asg: pb.Assign) -> None:
+        if self.cfg.drop_assigns:
+            log.warning("dropping Assign for %s (configured never to accept)", asg.task_id)
+            return
+        if asg.fencing_token in self.attempts:
+            return  # a redelivery of what is already running
+        a = Attempt(asg.task_id, asg.fencing_token, asg.attempt, json.loads(asg.spec_json))
+        self.attempts[a.token] = a
+        env = {s.env: s.value for s in asg.secrets}
+        a.runner = asyncio.get_running_loop().create_task(
+            self._run(a, env, list(asg.gpu_indexes)), name=f"agent.task.{a.task_id}"
+        )
+
+    def _on_cancel(self, c: pb.Cancel) -> None:
+        a = self.attempts.get(c.fencing_token)
+        if a is None:
+            # never received (or long forgotten): say so, so the server need not wait out CancelGrace
+            self._send(pb.AgentMessage(event=pb.TaskEvent(
+                task_id=c.task_id, fencing_token=c.fencing_token, kind=K.NOT_RUNNING, message="no such attempt here")))  # fmt: skip
+            return
+        if a.final is not None:
+            self._send(pb.AgentMessage(event=a.final))
+            return
+        a.cancel_requested = True
+        if a.run is not None:
+            asyncio.get_running_loop().create_task(a.run.stop(self.kill_grace), name=f"agent.stop.{a.task_id}")
+
+    async def _run(self, a: Attempt, secret_env: dict[str, str], gpus: list[int]) -> None:
+        self._event(a, K.PROVISIONING)
+        spec = a.spec
+        workdir = self.workdir / f"{a.task_id}-{a.token}"
+        env = dict(os.environ) if spec.get("inherit_env") else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        env.update({"HOME": str(workdir), "PODIUM_TASK_ID": a.task_id, "PODIUM_ATTEMPT": str(a.attempt),
+                    "PODIUM_NODE_ID": self.node_id})  # fmt: skip
+        env.update(spec.get("env") or {})
+        env.update(secret_env)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        run = ProcessRun(list(spec["command"]), env, workdir)
+        try:
+            if a.cancel_requested:
+                self._event(a, K.EXITED, exit_code=130, message="cancelled before it started")
+                return
+            try:
+                await run.start()
+            except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
+                # the command is not there: on this node; report it as the exit a shell would give
+                msg = f"cannot start {spec['command'][0]!r}: {e.strerror}"
+                await self._output(a, "stderr", (msg + "\n").encode())
+                self._event(a, K.EXITED, exit_code=127 if isinstance(e, FileNotFoundError) else 126, message=msg)
+                return
+            a.run = run
+            a.phase = "running"
+            self._journal(ev="start", task=a.task_id, token=a.token, pid=run.pid)
+            self._event(a, K.RUNNING)
+            if a.cancel_requested:
+                asyncio.get_running_loop().create_task(run.stop(self.kill_grace))
+            code = await run.wait(lambda stream, data: self._output(a, stream, data))
+            self._journal(ev="stop", task=a.task_id, token=a.token, code=code)
+            self._event(a, K.EXITED, exit_code=code)
+        except asyncio.CancelledError:
+            await run.stop(0)
+            raise
+        except Exception as e:  # an agent-side failure: another node may do better
+            log.exception("task %s failed on this node", a.task_id)
+            self._event(a, K.FAILED_RETRYABLE, message=str(e))
+        finally:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(workdir)
+
+    async def _output(self, a: Attempt, stream: str, data: bytes) -> None:
+        seq = a.seq[stream]
+        a.seq[stream] = seq + 1
+        self._send(pb.AgentMessage(log=pb.LogChunk(
+            task_id=a.task_id, fencing_token=a.token, stream=stream, seq=seq, data=data)))  # fmt: skip
+
+    async def shutdown(self) -> None:
+        """Stop every task (SIGTERM, then SIGKILL after the grace)."""
+        await asyncio.gather(
+            *(a.run.stop(self.kill_grace) for a in self.attempts.values() if a.run is not None), return_exceptions=True
+        )

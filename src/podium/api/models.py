@@ -1,0 +1,141 @@
+"""What the API returns. Built from store rows here and nowhere else."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+from podium.states import TERMINAL, TaskState
+
+
+class AttemptOut(BaseModel):
+    attempt: int
+    node_id: str
+    fencing_token: int
+    state: str
+    assigned_at: datetime
+    accept_deadline: datetime
+    provisioning_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    exit_code: int | None
+    reason: str | None
+    gpu_indexes: list[int]
+
+
+class EventOut(BaseModel):
+    at: datetime
+    from_state: str | None
+    to_state: str
+    reason: str | None
+    actor: str
+    fencing_token: int | None
+
+
+class TaskOut(BaseModel):
+    id: uuid.UUID
+    name: str | None
+    state: str
+    reason: str | None
+    terminal: bool
+    exit_code: int | None
+    node_id: str | None
+    fencing_token: int | None
+    attempts: int
+    max_attempts: int
+    priority: int
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    lease_expires_at: datetime | None
+    accept_deadline: datetime | None
+    idempotency_key: str | None
+    spec: dict[str, Any]
+
+
+class TaskDetail(TaskOut):
+    attempt_list: list[AttemptOut]
+    events: list[EventOut]
+
+
+class SubmitResponse(BaseModel):
+    task: TaskOut
+    created: bool
+
+
+class LogChunkOut(BaseModel):
+    id: int
+    attempt: int
+    fencing_token: int
+    stream: str
+    data: str  # UTF-8 with invalid bytes replaced
+
+
+class LogsOut(BaseModel):
+    chunks: list[LogChunkOut]
+    next_after: int
+    task_state: str
+    terminal: bool
+
+
+class ResourcesOut(BaseModel):
+    cpu_millis: int
+    memory_bytes: int
+    disk_bytes: int
+    gpus: int
+    slots: int
+
+
+class NodeOut(BaseModel):
+    id: str
+    name: str
+    health: str
+    connected: bool
+    draining: bool
+    pool: str
+    arch: str
+    labels: dict[str, str]
+    capabilities: list[str]
+    backends: list[str]
+    allocatable: ResourcesOut
+    reserved: ResourcesOut
+    last_heartbeat_at: datetime | None
+    agent_version: str
+
+
+class ErrorOut(BaseModel):
+    error: str
+
+
+def task_out(r: Any) -> TaskOut:
+    return TaskOut(
+        id=r["id"], name=r["name"], state=r["state"], reason=r["reason"], terminal=TaskState(r["state"]) in TERMINAL,
+        exit_code=r["exit_code"], node_id=r["node_id"], fencing_token=r["fencing_token"], attempts=r["attempts"],
+        max_attempts=r["max_attempts"], priority=r["priority"], created_at=r["created_at"], updated_at=r["updated_at"],
+        finished_at=r["finished_at"], lease_expires_at=r["lease_expires_at"], accept_deadline=r["accept_deadline"],
+        idempotency_key=r["idempotency_key"], spec=r["spec"],
+    )  # fmt: skip
+
+
+def attempt_out(r: Any) -> AttemptOut:
+    return AttemptOut(**{k: r[k] for k in AttemptOut.model_fields if k != "gpu_indexes"}, gpu_indexes=list(r["gpu_indexes"]))
+
+
+def event_out(r: Any) -> EventOut:
+    return EventOut(**{k: r[k] for k in EventOut.model_fields})
+
+
+def node_out(r: Any) -> NodeOut:
+    return NodeOut(
+        id=r["id"], name=r["name"], health=r["health"], connected=r["connected"], draining=r["draining"],
+        pool=r["pool"], arch=r["arch"], labels=r["labels"], capabilities=list(r["capabilities"]),
+        backends=list(r["backends"]),
+        allocatable=ResourcesOut(cpu_millis=r["alloc_cpu_millis"], memory_bytes=r["alloc_memory_bytes"],
+                                 disk_bytes=r["alloc_disk_bytes"], gpus=r["alloc_gpus"], slots=r["alloc_slots"]),
+        reserved=ResourcesOut(cpu_millis=r["res_cpu_millis"], memory_bytes=r["res_memory_bytes"],
+                              disk_bytes=r["res_disk_bytes"], gpus=r["res_gpus"], slots=r["res_slots"]),
+        last_heartbeat_at=r["last_heartbeat_at"], agent_version=r["agent_version"],
+    )  # fmt: skip

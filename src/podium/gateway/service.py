@@ -1,0 +1,346 @@
+"""The gRPC side of the server: one `Connect` stream per node.
+
+The gateway never decides anything from memory. A node's event becomes a compare-and-set checked
+against the attempt's fencing token and the node's id; what a node must be sent (Assigns placed by any
+server replica, stops) is read from the store's outbox when PostgreSQL notifies `podium_node`, with a
+periodic sweep as the backstop, so a missed notification only delays and never loses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from podium import __version__
+from podium.errors import NotFound, StoreUnavailable
+from podium.proto.podium.v1 import agent_pb2 as pb
+from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
+from podium.scheduler import policy
+from podium.scheduler.service import Scheduler, facts
+from podium.states import TaskState
+from podium.store import Store
+from podium.timing import Timing
+from podium import reasons
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_MIN = 1
+PROTOCOL_MAX = 1
+LOG_FLUSH_SECONDS = 0.05
+_KIND = {v: k for k, v in pb.TaskEvent.Kind.items()}
+
+
+@dataclass(eq=False)
+class Session:
+    node_id: str
+    session: int
+    out: asyncio.Queue[pb.ServerMessage | None] = field(default_factory=asyncio.Queue)
+    sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    sync_again: bool = False
+
+    def send(self, msg: pb.ServerMessage) -> None:
+        self.out.put_nowait(msg)
+
+    def close(self) -> None:
+        self.out.put_nowait(None)
+
+
+class Gateway(pb_grpc.AgentGatewayServicer):
+    def __init__(self, store: Store, scheduler: Scheduler, timing: Timing, *, server_id: str) -> None:
+        self.store = store
+        self.scheduler = scheduler
+        self.timing = timing
+        self.server_id = server_id
+        self.sessions: dict[str, Session] = {}
+        self._beats: dict[str, int] = {}
+        self._logs: dict[str, list[tuple[uuid.UUID, int, str, int, bytes]]] = {}
+        self._listen_conn = None
+        self.events_rejected = 0
+
+    # ---- loops ---------------------------------------------------------------------------------
+
+    def tasks(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        return {
+            "gateway.heartbeats": self.heartbeat_loop,
+            "gateway.logs": self.log_loop,
+            "gateway.outbox": self.outbox_loop,
+        }
+
+    async def heartbeat_loop(self) -> None:
+        """Heartbeats are flushed in one statement per interval, not one per node."""
+        interval = max(0.05, self.timing.heartbeat / 4)
+        while True:
+            await asyncio.sleep(interval)
+            beats, self._beats = self._beats, {}
+            try:
+                await self.store.heartbeats(list(beats.items()), self.server_id)
+            except StoreUnavailable as e:
+                log.warning("heartbeats not recorded: %s", e)
+                for k, v in beats.items():
+                    self._beats.setdefault(k, v)
+
+    async def log_loop(self) -> None:
+        while True:
+            await asyncio.sleep(LOG_FLUSH_SECONDS)
+            await self.flush_logs()
+
+    async def flush_logs(self) -> None:
+        pending, self._logs = self._logs, {}
+        for node_id, chunks in pending.items():
+            try:
+                await self.store.insert_logs(node_id, chunks)
+            except StoreUnavailable as e:
+                log.warning("logs from %s not stored yet: %s", node_id, e)
+                self._logs.setdefault(node_id, []).extend(chunks)
+
+    async def outbox_loop(self) -> None:
+        """LISTEN for per-node wake-ups, and sweep every node with a pending outbox as a backstop."""
+        while True:
+            try:
+                if self._listen_conn is None or self._listen_conn.is_closed():
+                    self._listen_conn = await self.store.listen("podium_node", self._on_node_notify)
+                for node_id in await self.store.nodes_with_outbox():
+                    self._schedule_sync(node_id)
+            except (StoreUnavailable, OSError) as e:
+                log.warning("outbox sweep: %s", e)
+                self._listen_conn = None
+            await asyncio.sleep(max(self.timing.tick, 0.1))
+
+    async def close(self) -> None:
+        for s in list(self.sessions.values()):
+            s.close()
+        if self._listen_conn is not None and not self._listen_conn.is_closed():
+            await self._listen_conn.close()
+        await self.flush_logs()
+        with contextlib.suppress(StoreUnavailable):
+            await self.store.release_gateway(self.server_id)
+
+    def _on_node_notify(self, node_id: str) -> None:
+        self._schedule_sync(node_id)
+
+    def _schedule_sync(self, node_id: str) -> None:
+        s = self.sessions.get(node_id)
+        if s is None:
+            return
+        if s.sync_lock.locked():
+            s.sync_again = True
+            return
+        asyncio.get_running_loop().create_task(self._sync(s), name=f"gateway.sync.{node_id}")
+
+    async def _sync(self, s: Session) -> None:
+        """Push what the store says this node is owed. Serialised per node."""
+        async with s.sync_lock:
+            while True:
+                s.sync_again = False
+                try:
+                    rows = await self.store.take_outbox(s.node_id)
+                except StoreUnavailable as e:
+                    log.warning("outbox for %s: %s", s.node_id, e)
+                    return
+                for r in rows:
+                    if r["kind"] == "assign":
+                        s.send(pb.ServerMessage(assign=pb.Assign(
+                            task_id=str(r["task_id"]), attempt=r["attempt"], fencing_token=r["fencing_token"],
+                            spec_json=r["spec"], gpu_indexes=list(r["gpu_indexes"] or ()),
+                        )))  # fmt: skip
+                    else:
+                        s.send(pb.ServerMessage(cancel=pb.Cancel(
+                            task_id=str(r["task_id"]), fencing_token=r["fencing_token"], reason=r["reason"] or "",
+                        )))  # fmt: skip
+                if not s.sync_again:
+                    return
+
+    # ---- the stream ----------------------------------------------------------------------------
+
+    async def Connect(  # noqa: N802 - the name is the protocol's
+        self, request_iterator: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ServerMessage]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("hello"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message on a stream must be a Hello")
+            return
+        hello = first.hello
+        problem = _check_hello(hello)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            return
+        c = hello.capacity
+        try:
+            row = await self.store.node_hello(
+                node_id=hello.node_id, name=hello.name or hello.node_id, pool=hello.pool or "default",
+                arch=hello.arch or "x86_64", labels=dict(hello.labels), capabilities=sorted(hello.capabilities),
+                backends=sorted(hello.backends) or ["process"], artifacts=sorted(hello.artifacts),
+                protocol_min=hello.protocol_min or 1, protocol_max=hello.protocol_max or 1,
+                gpu_indexes=list(hello.gpu_indexes), cpu_millis=c.cpu_millis, memory_bytes=c.memory_bytes,
+                disk_bytes=c.disk_bytes, gpus=c.gpus, slots=c.slots, gateway_id=self.server_id,
+                agent_version=hello.agent_version,
+            )  # fmt: skip
+        except StoreUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server cannot reach its database: {e}")
+            return
+        if row is None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this node was removed from the fleet")
+            return
+        old = self.sessions.get(hello.node_id)
+        if old is not None:
+            old.close()
+        s = Session(hello.node_id, row["session"])
+        self.sessions[hello.node_id] = s
+        log.info("node %s (%s) connected, session %d", hello.name, hello.node_id, s.session)
+        s.send(pb.ServerMessage(welcome=pb.Welcome(
+            node_id=hello.node_id, server_id=self.server_id, heartbeat_seconds=self.timing.heartbeat,
+            kill_grace_seconds=self.timing.kill_grace,
+        )))  # fmt: skip
+        if row["draining"]:
+            s.send(pb.ServerMessage(drain=pb.Drain(draining=True)))
+
+        reader = asyncio.get_running_loop().create_task(
+            self._read(s, hello, request_iterator), name=f"gateway.read.{hello.node_id}"
+        )
+        try:
+            while True:
+                msg = await s.out.get()
+                if msg is None:
+                    break
+                yield msg
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            if self.sessions.get(s.node_id) is s:
+                del self.sessions[s.node_id]
+                with contextlib.suppress(StoreUnavailable):
+                    await self.store.node_disconnected(s.node_id, s.session)
+                log.info("node %s disconnected", s.node_id)
+
+    async def _read(self, s: Session, hello: pb.Hello, it: AsyncIterator[pb.AgentMessage]) -> None:
+        try:
+            await self._reconcile(s, hello)
+            self._schedule_sync(s.node_id)
+            async for msg in it:
+                kind = msg.WhichOneof("kind")
+                if kind == "heartbeat":
+                    self._beats[s.node_id] = s.session
+                elif kind == "event":
+                    await self._on_event(s, msg.event)
+                elif kind == "log":
+                    lc = msg.log
+                    try:
+                        tid = uuid.UUID(lc.task_id)
+                    except ValueError:
+                        continue
+                    self._logs.setdefault(s.node_id, []).append((tid, lc.fencing_token, lc.stream, lc.seq, lc.data))
+                elif kind == "hello":
+                    log.warning("node %s sent a second Hello; ignored", s.node_id)
+        except StoreUnavailable as e:
+            log.warning("node %s: %s; closing its stream so it reconnects", s.node_id, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("node %s: stream reader failed", s.node_id)
+        finally:
+            s.close()
+
+    async def _reconcile(self, s: Session, hello: pb.Hello) -> None:
+        """A (re)connecting node says what it still runs. Keep what is still its own, stop what is not,
+        redeliver what it never received, and apply the node-loss policy to what it no longer has."""
+        reported = {(rt.task_id, rt.fencing_token): rt for rt in hello.tasks}
+        reported_tokens = {tok for (_t, tok) in reported}
+        on_server = await self.store.tasks_on_node(s.node_id)
+        current = {r["fencing_token"] for r in on_server}
+        stale = [tok for tok in reported_tokens if tok not in current]
+        if stale:
+            # Still running something that is no longer its attempt: the server's truth wins.
+            await self.store.request_stop(s.node_id, stale)
+            for (tid, tok), rt in reported.items():
+                if tok in stale and rt.phase != "exited":
+                    s.send(pb.ServerMessage(cancel=pb.Cancel(task_id=tid, fencing_token=tok, reason="stale attempt")))
+        redeliver = []
+        for r in on_server:
+            if r["fencing_token"] in reported_tokens:
+                phase = reported[(str(r["id"]), r["fencing_token"])].phase if (str(r["id"]), r["fencing_token"]) in reported else ""
+                if phase in ("provisioning", "running"):
+                    # events sent on the old stream may have been lost with it: catch up from the report
+                    for kind in (policy.PROVISIONING, policy.RUNNING)[: 1 if phase == "provisioning" else 2]:
+                        row = await self.store.get_task(r["id"])
+                        f = facts(row)
+                        await self.scheduler.apply(r["id"], f.state, policy.on_node_event(f, kind, None, self.timing),
+                                                   actor=f"node:{s.node_id}", fencing_token=r["fencing_token"], node_id=s.node_id)
+                if r["state"] == TaskState.CANCELLING:
+                    s.send(pb.ServerMessage(cancel=pb.Cancel(
+                        task_id=str(r["id"]), fencing_token=r["fencing_token"], reason=reasons.CANCELLED)))  # fmt: skip
+                continue
+            if r["state"] == TaskState.ASSIGNED:
+                redeliver.append(r["fencing_token"])
+                continue
+            row = await self.store.get_task(r["id"])
+            f = facts(row)
+            step = policy.on_node_loss(f, reasons.NODE_FORGOT)
+            await self.scheduler.apply(
+                r["id"], f.state, step, actor=f"node:{s.node_id}", fencing_token=r["fencing_token"], node_id=s.node_id
+            )
+        await self.store.redeliver(redeliver)
+
+    async def _on_event(self, s: Session, ev: pb.TaskEvent) -> None:
+        kind = _KIND.get(ev.kind, "")
+        try:
+            task_id = uuid.UUID(ev.task_id)
+        except ValueError:
+            log.warning("node %s sent an event for a malformed task id %r", s.node_id, ev.task_id)
+            return
+        final = kind in (policy.EXITED, policy.NOT_RUNNING, policy.FAILED_RETRYABLE)
+        if final:
+            # the attempt's output arrived before its end on this stream: store it before the end
+            # becomes visible, so whoever follows the logs of an ended task has all of them
+            await self.flush_logs()
+        for _ in range(5):
+            try:
+                row = await self.store.get_task(task_id)
+            except NotFound:
+                row = None
+            if row is None or row["fencing_token"] != ev.fencing_token or row["node_id"] != s.node_id:
+                # A stale or foreign attempt: refuse it and make sure the node stops it.
+                if row is not None and final and row["fencing_token"] == ev.fencing_token:
+                    break  # already recorded (a resend after reconnect): just acknowledge
+                self.events_rejected += 1
+                log.warning(
+                    "node %s: rejected %s for task %s with fencing token %d (current: %s)",
+                    s.node_id, kind, ev.task_id, ev.fencing_token, None if row is None else row["fencing_token"],
+                )  # fmt: skip
+                if not final:
+                    s.send(pb.ServerMessage(cancel=pb.Cancel(
+                        task_id=ev.task_id, fencing_token=ev.fencing_token, reason="stale attempt")))  # fmt: skip
+                break
+            f = facts(row)
+            step = policy.on_node_event(f, kind, ev.exit_code if kind == policy.EXITED else None, self.timing)
+            if step is None:
+                break
+            done = await self.scheduler.apply(
+                task_id, f.state, step, actor=f"node:{s.node_id}", fencing_token=ev.fencing_token, node_id=s.node_id
+            )
+            if done is not None:
+                break
+            # the task moved between the read and the write (a sweep, a cancel): read again
+        if final:
+            s.send(pb.ServerMessage(ack=pb.Ack(task_id=ev.task_id, fencing_token=ev.fencing_token)))
+
+
+def _check_hello(h: pb.Hello) -> str | None:
+    if not h.node_id or len(h.node_id) > 128:
+        return "Hello needs a node_id of 1 to 128 characters"
+    if h.protocol_max and h.protocol_max < PROTOCOL_MIN or (h.protocol_min or 1) > PROTOCOL_MAX:
+        return f"this server speaks agent protocol {PROTOCOL_MIN}..{PROTOCOL_MAX}; the agent speaks {h.protocol_min}..{h.protocol_max}"
+    c = h.capacity
+    if min(c.cpu_millis, c.memory_bytes, c.disk_bytes, c.gpus, c.slots) < 0:
+        return "capacity values must be non-negative"
+    return None
+
+
+def server_version() -> str:
+    return __version__

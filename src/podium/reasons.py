@@ -1,0 +1,57 @@
+"""The sentences Podium tells an operator about a task: why it is still queued, why it ended.
+
+They are constants because the CLI, the UI, the API and the tests all read them, and because an
+operator staring at "queued" deserves the same sentence every time. The first eight are the seed's,
+word for word; the rest are added in the same voice: one plain sentence an operator can act on.
+This module must never format a sentence with task-specific values: a reason is compared by equality.
+"""
+
+# --- the seed's sentences (shared/seeds/000), exactly as written -----------------------------------
+NO_NODES = "no node is connected to the control plane"
+NO_LABELS = "no online node carries every label this task requires"
+ALL_DRAINING = "every node that could run this task is draining"
+NO_ROOM = "no online node has enough free CPU or memory for this task"
+FULL = "every node that could run this task is full"
+NOT_ACCEPTED = "node did not accept assignment"
+TIMEOUT = "timeout"
+NO_LEASE = "the task is on no node and holds no lease"
+
+# --- queued: placement reasons the seeds imply but do not word --------------------------------------
+NO_POOL = "no online node is in the pool this task requires"
+NO_ARCH = "no online node has the architecture this task requires"
+NO_CAPABILITY = "no online node has every capability this task requires"
+NO_BACKEND = "no online node offers the backend this task requires"
+NO_PROTOCOL = "no online node speaks the agent protocol version this task requires"
+HOME_UNAVAILABLE = "the task's home node is not online"
+TOO_LARGE = "the task is larger than any node that could run it can ever hold"
+NO_DISK = "no online node has enough free disk for this task"
+NO_GPU = "no online node has enough free GPUs for this task"
+WAITING = "waiting for the scheduler to place this task"
+
+# --- ended or requeued: what the promises say when they fire -----------------------------------------
+CANCELLED = "cancelled by an operator"
+NODE_LOST = "the node running this task went offline"
+NODE_FORGOT = "the node reconnected without this task"
+LEASE_EXPIRED = "the assignment's lease expired"
+EXITED_NONZERO = "the task exited with a non-zero code"
+NO_ATTEMPTS_LEFT = "no attempts left"
+RETRYABLE_ERROR = "the node reported an error another node may not have"
+NODE_REVOKED = "the node was removed from the fleet"
+
+#: Every reason a queued task can carry, in the order placement checks for them.
+QUEUED_REASONS = (
+    NO_NODES,
+    HOME_UNAVAILABLE,
+    NO_POOL,
+    NO_ARCH,
+    NO_BACKEND,
+    NO_PROTOCOL,
+    NO_LABELS,
+    NO_CAPABILITY,
+    ALL_DRAINING,
+    TOO_LARGE,
+    NO_ROOM,
+    NO_DISK,
+    NO_GPU,
+    FULL,
+)

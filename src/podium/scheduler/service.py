@@ -1,0 +1,257 @@
+"""The scheduler's two loops, deliberately separate:
+
+- the dispatch tick claims queued tasks and places them, woken by its own ticker or by the database
+  saying something placement cares about changed (a task queued, room freed, a node joined);
+- the watchdog sweep applies the deadlines to every task a node owes an answer for — the accept
+  deadline, the spec's timeout, the operator's cancel, the lease — and turns node silence into
+  `unreachable`, then `offline` and the node-loss policy.
+
+Neither ever transitions a task from what a session believes in memory: every change is a
+compare-and-set in the store with the `from` just read, and every time is the database's `now()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+
+from podium import reasons
+from podium.errors import NotFound, StoreUnavailable
+from podium.placement import NodeSnapshot, Placer, Requirements, Resources, Unplaceable
+from podium.scheduler import policy
+from podium.scheduler.policy import Step, TaskFacts
+from podium.states import TaskState
+from podium.store import Store, Transition
+from podium.store.db import PlacementDecision
+from podium.timing import Timing
+
+log = logging.getLogger(__name__)
+
+SWEEP_LIMIT = 1000  # rows one watchdog query looks at; the next sweep takes the rest
+
+
+def facts(row: asyncpg.Record | dict[str, Any]) -> TaskFacts:
+    get = row.get if isinstance(row, dict) else (lambda k, d=None: row[k] if k in row.keys() else d)  # noqa: E731
+    return TaskFacts(
+        state=TaskState(get("state")),
+        attempts=get("attempts", 1) or 0,
+        max_attempts=get("max_attempts", 1) or 1,
+        requeue_on_node_loss=bool(get("requeue_on_node_loss", True)),
+        timeout=get("timeout_seconds"),
+        cancel_reason=get("cancel_reason"),
+    )
+
+
+def node_snapshot(row: asyncpg.Record) -> NodeSnapshot:
+    in_use = set(row["gpus_in_use"] or ())
+    return NodeSnapshot(
+        id=row["id"],
+        name=row["name"],
+        connected=row["connected"],
+        health=row["health"],
+        draining=row["draining"],
+        pool=row["pool"],
+        arch=row["arch"],
+        labels=row["labels"],
+        capabilities=frozenset(row["capabilities"]),
+        backends=frozenset(row["backends"]),
+        protocol_min=row["protocol_min"],
+        protocol_max=row["protocol_max"],
+        allocatable=Resources(
+            row["alloc_cpu_millis"], row["alloc_memory_bytes"], row["alloc_disk_bytes"], row["alloc_gpus"], row["alloc_slots"]
+        ),
+        reserved=Resources(
+            row["res_cpu_millis"], row["res_memory_bytes"], row["res_disk_bytes"], row["res_gpus"], row["res_slots"]
+        ),
+        artifacts=frozenset(row["artifacts"]),
+        gpu_free=tuple(g for g in sorted(row["gpu_indexes"]) if g not in in_use),
+    )
+
+
+def requirements(spec: dict[str, Any], cpu: int, memory: int, disk: int, gpus: int) -> Requirements:
+    return Requirements(
+        resources=Resources(cpu, memory, disk, gpus, 1),
+        labels=spec.get("labels") or {},
+        pool=spec.get("pool"),
+        arch=spec.get("arch"),
+        capabilities=frozenset(spec.get("capabilities") or ()),
+        backend=spec.get("backend", "process"),
+        protocol=spec.get("protocol", 1),
+        preferred_artifacts=tuple(spec.get("preferred_artifacts") or ()),
+        home_node=spec.get("home_node"),
+    )
+
+
+class Scheduler:
+    def __init__(self, store: Store, timing: Timing, *, server_id: str, policy_name: str = "spread") -> None:
+        self.store = store
+        self.timing = timing
+        self.server_id = server_id
+        self.policy_name = policy_name
+        self.actor = f"scheduler:{server_id}"
+        self._wake = asyncio.Event()
+        self._listen_conn: asyncpg.Connection | None = None
+        self.placed_total = 0
+
+    # ---- running ----------------------------------------------------------------------------------
+
+    def tasks(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        """The named loops the server supervises."""
+        return {"scheduler.dispatch": self.dispatch_loop, "scheduler.watchdog": self.watchdog_loop}
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _ensure_listening(self) -> None:
+        if self._listen_conn is None or self._listen_conn.is_closed():
+            self._listen_conn = await self.store.listen("podium_dispatch", lambda _p: self._wake.set())
+
+    async def close(self) -> None:
+        if self._listen_conn is not None and not self._listen_conn.is_closed():
+            await self._listen_conn.close()
+
+    async def dispatch_loop(self) -> None:
+        while True:
+            try:
+                await self._ensure_listening()
+                outcome = await self.dispatch_once()
+                full = outcome.claimed >= self.timing.claim_limit and outcome.assigned
+                if full:
+                    continue  # more may be waiting: don't sleep between full batches
+            except StoreUnavailable as e:
+                log.warning("dispatch: %s; retrying", e)
+                self._listen_conn = None
+            except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as e:
+                log.warning("dispatch: lost the database (%s); retrying", e)
+                self._listen_conn = None
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.timing.tick)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+
+    async def dispatch_once(self) -> Any:
+        outcome = await self.store.dispatch(
+            claim_limit=self.timing.claim_limit,
+            accept_seconds=self.timing.provisioning_deadline,
+            lease_seconds=self.timing.lease_ttl,
+            decide=self.decide,
+            actor=self.actor,
+        )
+        self.placed_total += len(outcome.assigned)
+        return outcome
+
+    def decide(
+        self, tasks: list[asyncpg.Record], nodes: list[asyncpg.Record]
+    ) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
+        """Pure once the rows are read: the Placer sees every node and reserves as it goes."""
+        placer = Placer([node_snapshot(n) for n in nodes], policy=self.policy_name)
+        placed: list[PlacementDecision] = []
+        unplaced: dict[uuid.UUID, str] = {}
+        for t in tasks:
+            req = requirements(t["spec"], t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"])
+            result = placer.place(req)
+            if isinstance(result, Unplaceable):
+                unplaced[t["id"]] = result.reason
+            else:
+                placed.append(
+                    PlacementDecision(
+                        t["id"], result.node_id, t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], result.gpu_indexes
+                    )
+                )
+        return placed, unplaced
+
+    async def watchdog_loop(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except StoreUnavailable as e:
+                log.warning("watchdog: %s; retrying", e)
+            except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as e:
+                log.warning("watchdog: lost the database (%s); retrying", e)
+            await asyncio.sleep(self.timing.watchdog)
+
+    # ---- applying decisions -------------------------------------------------------------------
+
+    async def apply(
+        self,
+        task_id: uuid.UUID,
+        from_: TaskState,
+        step: Step | None,
+        *,
+        actor: str | None = None,
+        fencing_token: int | None = None,
+        node_id: str | None = None,
+    ) -> Transition | None:
+        if step is None:
+            return None
+        result = await self.store.transition_task(
+            task_id,
+            from_,
+            step.to,
+            actor=actor or self.actor,
+            reason=step.reason,
+            fencing_token=fencing_token,
+            node_id=node_id,
+            exit_code=step.exit_code,
+            lease_seconds=step.lease_seconds,
+            end_attempt=step.end_attempt,
+            attempt_state=step.attempt_state,
+            stop=step.stop,
+        )
+        if result is not None:
+            log.info("task %s: %s → %s (%s)", task_id, from_, step.to, step.reason or "-")
+        return result
+
+    async def sweep(self) -> None:
+        """One pass of the watchdog. Each query reads candidates by the database clock; each change
+        is a compare-and-set from the state just read, so a late node event or another server's sweep
+        racing this one makes it a no-op, never a second transition."""
+        t = self.timing
+        unreachable = await self.store.mark_unreachable(t.unreachable_after)
+        for node in unreachable:
+            log.warning("node %s is unreachable: no heartbeat for %.1fs; its tasks keep running", node, t.unreachable_after)
+        offline = await self.store.mark_offline(t.offline_after)
+        for node in offline:
+            log.warning("node %s is offline: no heartbeat for %.1fs; its leases expire", node, t.offline_after)
+
+        for row in await self.store.lost_tasks(SWEEP_LIMIT):
+            why = {"offline": reasons.NODE_LOST, "lease": reasons.LEASE_EXPIRED}.get(row["why"])
+            f = facts(row)
+            if why is None:  # on no node and holding no lease: an invariant broken somewhere
+                step: Step | None = Step(TaskState.FAILED, reasons.NO_LEASE, end_attempt=policy.A.LOST, stop=True)
+            else:
+                step = policy.on_node_loss(f, why)
+            await self.apply(row["id"], f.state, step, fencing_token=row["fencing_token"])
+
+        for row in await self.store.overdue_accepts(SWEEP_LIMIT):
+            f = facts(row)
+            await self.apply(row["id"], f.state, policy.on_accept_overdue(f), fencing_token=row["fencing_token"])
+
+        for row in await self.store.timed_out(SWEEP_LIMIT):
+            f = facts(row)
+            await self.apply(row["id"], f.state, policy.on_cancel(f, reasons.TIMEOUT), fencing_token=row["fencing_token"])
+
+        for row in await self.store.cancel_grace_expired(t.cancel_grace, SWEEP_LIMIT):
+            f = facts(row)
+            await self.apply(row["id"], f.state, policy.on_cancel_grace(f), fencing_token=row["fencing_token"])
+
+    # ---- operator actions ---------------------------------------------------------------------
+
+    async def cancel(self, task_id: uuid.UUID, actor: str) -> asyncpg.Record:
+        """Cancel a task: a queued one ends at once; one on a node is told to stop. Retries the
+        compare-and-set when the task moved underneath (e.g. it was placed in between)."""
+        for _ in range(10):
+            row = await self.store.get_task(task_id)
+            f = facts(row)
+            step = policy.on_cancel(f)
+            if step is None:
+                return row  # already ended or already being cancelled: nothing to do
+            if await self.apply(task_id, f.state, step, actor=actor, fencing_token=row["fencing_token"]):
+                return await self.store.get_task(task_id)
+        raise NotFound(f"task {task_id} kept changing state; try again")

@@ -1,0 +1,139 @@
+"""One Podium server: the store, the scheduler's loops, the agent gateway (gRPC) and the REST API,
+in one asyncio process, supervised: a loop that dies stops the whole server loudly rather than leaving
+a half-alive process that accepts work it will never place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import uvicorn
+
+from podium.api.app import create_app
+from podium.gateway.service import Gateway
+from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
+from podium.scheduler.service import Scheduler
+from podium.store import Store
+from podium.store.embedded import EmbeddedPostgres
+from podium.timing import Timing, timing_from_env
+
+log = logging.getLogger(__name__)
+
+DEFAULT_API_PORT = 8642
+DEFAULT_GRPC_PORT = 8643
+
+
+@dataclass
+class ServerConfig:
+    data_dir: Path
+    database_url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_API_PORT
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = DEFAULT_GRPC_PORT
+    server_id: str = ""
+    placement_policy: str = "spread"
+
+
+class LoopDied(Exception):
+    """A supervised loop ended; the server stops."""
+
+
+class PodiumServer:
+    def __init__(self, config: ServerConfig, timing: Timing | None = None) -> None:
+        self.cfg = config
+        self.timing = timing or timing_from_env()
+        self.server_id = config.server_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.embedded: EmbeddedPostgres | None = None
+        self.store: Store | None = None
+        self.started = asyncio.Event()
+        self._stop = asyncio.Event()
+
+    async def _database_url(self) -> str:
+        if self.cfg.database_url:
+            return self.cfg.database_url
+        self.embedded = EmbeddedPostgres(self.cfg.data_dir)
+        url = await asyncio.to_thread(self.embedded.start)
+        await self.embedded.ensure_database(url)
+        log.info("embedded PostgreSQL running in %s", self.embedded.pg_dir)
+        return url
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            if self.embedded is not None:
+                await asyncio.to_thread(self.embedded.stop)
+
+    async def _run(self) -> None:
+        url = await self._database_url()
+        store = self.store = await Store.connect(url, min_size=2, max_size=20)
+        applied = await store.migrate()
+        if applied:
+            log.info("applied migrations: %s", ", ".join(applied))
+        scheduler = Scheduler(store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy)
+        gateway = Gateway(store, scheduler, self.timing, server_id=self.server_id)
+
+        grpc_server = grpc.aio.server(options=[("grpc.keepalive_time_ms", 20000), ("grpc.so_reuseport", 0)])
+        pb_grpc.add_AgentGatewayServicer_to_server(gateway, grpc_server)
+        bound = grpc_server.add_insecure_port(f"{self.cfg.grpc_host}:{self.cfg.grpc_port}")
+        if bound == 0:
+            raise OSError(f"cannot listen for agents on {self.cfg.grpc_host}:{self.cfg.grpc_port}: the port is in use")
+        await grpc_server.start()
+
+        app = create_app(store, scheduler)
+        ucfg = uvicorn.Config(app, host=self.cfg.host, port=self.cfg.port, log_level="warning", lifespan="off")
+        api = uvicorn.Server(ucfg)
+        api.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # we own the signals
+
+        loops: dict[str, Callable[[], Awaitable[None]]] = {**scheduler.tasks(), **gateway.tasks(), "api": api.serve}
+        tasks = {asyncio.create_task(fn(), name=name) for name, fn in loops.items()}
+        stopper = asyncio.create_task(self._stop.wait(), name="stop")
+        try:
+            while not api.started:
+                done = {t for t in tasks if t.done()}
+                if done:
+                    break
+                await asyncio.sleep(0.02)
+            if not any(t.done() for t in tasks):
+                log.info("Podium server %s: API on http://%s:%d, agents on %s:%d",
+                         self.server_id, self.cfg.host, self.cfg.port, self.cfg.grpc_host, self.cfg.grpc_port)  # fmt: skip
+                self.started.set()
+            done, _ = await asyncio.wait(tasks | {stopper}, return_when=asyncio.FIRST_COMPLETED)
+            died = [t for t in done if t is not stopper]
+            for t in died:
+                exc = t.exception() if not t.cancelled() else None
+                log.critical("loop %s stopped (%r); stopping the server", t.get_name(), exc)
+            if died:
+                raise LoopDied(f"loop {died[0].get_name()} stopped: {died[0].exception() if not died[0].cancelled() else 'cancelled'}")
+        finally:
+            api.should_exit = True
+            stopper.cancel()
+            for t in tasks:
+                if t.get_name() != "api":
+                    t.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=5)
+            await grpc_server.stop(grace=1)
+            await gateway.close()
+            await scheduler.close()
+            await store.close()
+
+
+def install_signal_handlers(server: PodiumServer) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.stop)

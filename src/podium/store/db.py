@@ -1,0 +1,413 @@
+"""`Store` is the only code that runs queries. Every task state change goes through
+`transition_task`, a single compare-and-set statement with an explicit `from`; the dispatch batch is
+the same compare-and-set applied to many rows at once.
+
+This module must never decide policy (which node, requeue or lose): callers decide, the store makes
+the decision durable or refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+from podium import reasons
+from podium.errors import Conflict, NotFound, StoreUnavailable
+from podium.spec import TaskSpec
+from podium.states import AttemptState, TaskState, is_allowed
+from podium.store.migrate import migrate
+from podium.store.queries import queries
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "the database went away or the connection was killed": nothing was written.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.InterfaceError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.ConnectionFailureError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    ConnectionError,
+    OSError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """An accepted transition. A rejected one is None."""
+
+    task_id: uuid.UUID
+    fencing_token: int | None
+    attempt_node: str | None
+
+
+@dataclass(slots=True)
+class PlacementDecision:
+    task_id: uuid.UUID
+    node_id: str
+    cpu_millis: int
+    memory_bytes: int
+    disk_bytes: int
+    gpus: int
+    gpu_indexes: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class DispatchOutcome:
+    claimed: int = 0
+    assigned: list[tuple[uuid.UUID, str, int]] = field(default_factory=list)  # (task, node, token)
+    unplaced: dict[uuid.UUID, str] = field(default_factory=dict)  # task → reason
+    lost_races: int = 0  # placements whose node filled up under another scheduler
+
+
+# (claimed task rows, node rows) → (placements, {task: queued reason})
+Decider = Callable[[list[asyncpg.Record], list[asyncpg.Record]], tuple[list[PlacementDecision], dict[uuid.UUID, str]]]
+
+
+def _init_connection(conn: asyncpg.Connection) -> Any:
+    return conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+class Store:
+    def __init__(self, pool: asyncpg.Pool, dsn: str) -> None:
+        self.pool = pool
+        self.dsn = dsn
+        self.q = queries()
+
+    @classmethod
+    async def connect(cls, dsn: str, *, min_size: int = 2, max_size: int = 10) -> Store:
+        try:
+            pool = await asyncpg.create_pool(
+                dsn, min_size=min_size, max_size=max_size, init=_init_connection, command_timeout=60
+            )
+        except CONNECTION_ERRORS as e:
+            raise StoreUnavailable(f"cannot connect to PostgreSQL: {e}") from e
+        except asyncpg.exceptions.InvalidCatalogNameError as e:
+            raise StoreUnavailable(f"the database does not exist: {e}") from e
+        assert pool is not None
+        return cls(pool, dsn)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def migrate(self) -> list[str]:
+        async with self.pool.acquire() as conn:
+            return await migrate(conn)
+
+    @asynccontextmanager
+    async def _conn(self) -> AsyncIterator[asyncpg.Connection]:
+        try:
+            async with self.pool.acquire() as conn:
+                yield conn
+        except CONNECTION_ERRORS as e:
+            raise StoreUnavailable(f"lost the connection to PostgreSQL: {e}") from e
+
+    async def listen(self, channel: str, callback: Callable[[str], None]) -> asyncpg.Connection:
+        """A dedicated connection LISTENing on `channel`. The caller owns it and closes it."""
+        conn = await asyncpg.connect(self.dsn)
+        await conn.add_listener(channel, lambda _c, _pid, _ch, payload: callback(payload))
+        return conn
+
+    # ---- tasks ----------------------------------------------------------------------------------
+
+    async def submit(
+        self, spec: TaskSpec, *, idempotency_key: str | None = None, actor: str = "api"
+    ) -> tuple[asyncpg.Record, bool]:
+        """Store a new queued task. With an idempotency key already used, return that task instead
+        (created=False); the same key with a different spec is a Conflict."""
+        spec_json = json.loads(spec.model_dump_json())
+        task_id = uuid.uuid4()
+        async with self._conn() as conn:
+            row = await conn.fetchrow(
+                self.q["insert_task"],
+                task_id,
+                spec.name,
+                spec_json,
+                reasons.WAITING,
+                spec.priority,
+                spec.resources.cpu,
+                spec.resources.memory,
+                spec.resources.disk,
+                spec.resources.gpus,
+                spec.timeout,
+                spec.max_attempts,
+                spec.requeue_on_node_loss,
+                idempotency_key,
+                actor,
+            )
+            if row is not None:
+                task = await conn.fetchrow(self.q["get_task"], task_id)
+                assert task is not None
+                return task, True
+            existing = await conn.fetchrow(self.q["task_by_idempotency_key"], idempotency_key)
+        if existing is None:  # the first submit's row was pruned between the two statements
+            raise Conflict(f"idempotency key {idempotency_key!r} was used by a task that no longer exists")
+        if existing["spec"] != spec_json:
+            raise Conflict(
+                f"idempotency key {idempotency_key!r} was already used for a different spec "
+                f"(task {existing['id']}); use a new key for a new task"
+            )
+        return existing, False
+
+    async def transition_task(
+        self,
+        task_id: uuid.UUID,
+        from_: TaskState | str,
+        to: TaskState | str,
+        *,
+        actor: str,
+        reason: str | None = None,
+        fencing_token: int | None = None,
+        node_id: str | None = None,
+        exit_code: int | None = None,
+        lease_seconds: float | None = None,
+        end_attempt: AttemptState | str | None = None,
+        attempt_state: AttemptState | str | None = None,
+        stop: bool = False,
+        conn: asyncpg.Connection | None = None,
+    ) -> Transition | None:
+        """Move a task from `from_` to `to`, or do nothing and return None.
+
+        `fencing_token` and `node_id` are given when a node is the actor: a stale token or another
+        node's task is rejected like a wrong `from`. `end_attempt` closes the current attempt with that
+        state and frees its capacity; `attempt_state` moves it forward instead. `lease_seconds` sets the
+        lease from the database clock (negative: no lease of its own, held by node health). `stop`
+        asks the node to stop the attempt.
+        """
+        if not is_allowed(TaskState(from_), TaskState(to)):
+            raise ValueError(f"transition {from_} → {to} is not allowed")
+        args = (
+            task_id,
+            str(from_),
+            str(to),
+            reason,
+            fencing_token,
+            node_id,
+            exit_code,
+            lease_seconds,
+            None if end_attempt is None else str(end_attempt),
+            None if attempt_state is None else str(attempt_state),
+            stop,
+            actor,
+        )
+        if conn is not None:
+            row = await conn.fetchrow(self.q["transition_task"], *args)
+        else:
+            async with self._conn() as c:
+                row = await c.fetchrow(self.q["transition_task"], *args)
+        if row is None:
+            return None
+        return Transition(row["id"], row["fencing_token"], row["attempt_node"])
+
+    async def get_task(self, task_id: uuid.UUID) -> asyncpg.Record:
+        async with self._conn() as conn:
+            row = await conn.fetchrow(self.q["get_task"], task_id)
+        if row is None:
+            raise NotFound(f"no task {task_id}")
+        return row
+
+    async def task_detail(self, task_id: uuid.UUID) -> tuple[asyncpg.Record, list[asyncpg.Record], list[asyncpg.Record]]:
+        async with self._conn() as conn:
+            task = await conn.fetchrow(self.q["get_task"], task_id)
+            if task is None:
+                raise NotFound(f"no task {task_id}")
+            attempts = await conn.fetch(self.q["task_attempts"], task_id)
+            events = await conn.fetch(self.q["task_events"], task_id)
+        return task, attempts, events
+
+    async def list_tasks(
+        self, *, state: str | None = None, node_id: str | None = None, name: str | None = None, limit: int = 100
+    ) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["list_tasks"], state, node_id, name, limit)
+
+    async def read_logs(self, task_id: uuid.UUID, after: int = 0, limit: int = 1000) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["read_logs"], task_id, after, limit)
+
+    async def insert_logs(self, node_id: str, chunks: Sequence[tuple[uuid.UUID, int, str, int, bytes]]) -> None:
+        if not chunks:
+            return
+        cols = list(zip(*chunks, strict=True))
+        async with self._conn() as conn:
+            await conn.execute(self.q["insert_logs"], *[list(c) for c in cols], node_id)
+
+    # ---- placement ------------------------------------------------------------------------------
+
+    async def dispatch(
+        self, *, claim_limit: int, accept_seconds: float, lease_seconds: float, decide: Decider, actor: str
+    ) -> DispatchOutcome:
+        """Claim up to `claim_limit` queued tasks, let `decide` place them, and make the result durable
+        in one transaction: reservations, attempts, fencing tokens, leases, events, reasons, notifies."""
+        out = DispatchOutcome()
+        async with self._conn() as conn, conn.transaction():
+            tasks = await conn.fetch(self.q["claim_queued"], claim_limit)
+            out.claimed = len(tasks)
+            if not tasks:
+                return out
+            nodes = await conn.fetch(self.q["placement_nodes"])
+            placements, unplaced = decide(tasks, nodes)
+            out.unplaced = unplaced
+            if placements:
+                per_node: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+                for p in placements:
+                    acc = per_node[p.node_id]
+                    acc[0] += p.cpu_millis
+                    acc[1] += p.memory_bytes
+                    acc[2] += p.disk_bytes
+                    acc[3] += p.gpus
+                    acc[4] += 1
+                ids = list(per_node)
+                got = await conn.fetch(
+                    self.q["reserve_capacity"],
+                    ids,
+                    [per_node[i][0] for i in ids],
+                    [per_node[i][1] for i in ids],
+                    [per_node[i][2] for i in ids],
+                    [per_node[i][3] for i in ids],
+                    [per_node[i][4] for i in ids],
+                )
+                reserved = {r["id"] for r in got}
+                kept = [p for p in placements if p.node_id in reserved]
+                out.lost_races = len(placements) - len(kept)
+                if kept:
+                    rows = await conn.fetch(
+                        self.q["assign_tasks"],
+                        [p.task_id for p in kept],
+                        [p.node_id for p in kept],
+                        [",".join(map(str, p.gpu_indexes)) for p in kept],
+                        accept_seconds,
+                        lease_seconds,
+                        actor,
+                    )
+                    out.assigned = [(r["id"], r["node_id"], r["fencing_token"]) for r in rows]
+                    # claimed under FOR UPDATE, so every kept task must still have been queued
+                    assert len(rows) == len(kept), "a claimed task changed state under its row lock"
+                    await conn.execute(self.q["notify_nodes"], sorted({r["node_id"] for r in rows}))
+            if unplaced:
+                await conn.execute(self.q["set_queued_reasons"], list(unplaced), list(unplaced.values()))
+        return out
+
+    # ---- nodes ----------------------------------------------------------------------------------
+
+    async def node_hello(
+        self,
+        *,
+        node_id: str,
+        name: str,
+        pool: str,
+        arch: str,
+        labels: dict[str, str],
+        capabilities: list[str],
+        backends: list[str],
+        artifacts: list[str],
+        protocol_min: int,
+        protocol_max: int,
+        gpu_indexes: list[int],
+        cpu_millis: int,
+        memory_bytes: int,
+        disk_bytes: int,
+        gpus: int,
+        slots: int,
+        gateway_id: str,
+        agent_version: str,
+    ) -> asyncpg.Record | None:
+        """Record a (re)connecting node and give it a new session. None if the node was revoked."""
+        async with self._conn() as conn:
+            return await conn.fetchrow(
+                self.q["node_hello"],
+                node_id, name, pool, arch, labels, capabilities, backends, artifacts,
+                protocol_min, protocol_max, gpu_indexes, cpu_millis, memory_bytes, disk_bytes,
+                gpus, slots, gateway_id, agent_version,
+            )  # fmt: skip
+
+    async def heartbeats(self, beats: Sequence[tuple[str, int]], gateway_id: str) -> None:
+        if not beats:
+            return
+        async with self._conn() as conn:
+            await conn.execute(self.q["heartbeats"], [b[0] for b in beats], [b[1] for b in beats], gateway_id)
+
+    async def node_disconnected(self, node_id: str, session: int) -> None:
+        async with self._conn() as conn:
+            await conn.execute(self.q["node_disconnected"], node_id, session)
+
+    async def release_gateway(self, gateway_id: str) -> None:
+        async with self._conn() as conn:
+            await conn.execute(self.q["release_gateway"], gateway_id)
+
+    async def tasks_on_node(self, node_id: str) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["tasks_on_node"], node_id)
+
+    async def redeliver(self, tokens: Sequence[int]) -> None:
+        if tokens:
+            async with self._conn() as conn:
+                await conn.execute(self.q["redeliver"], list(tokens))
+
+    async def request_stop(self, node_id: str, tokens: Sequence[int]) -> None:
+        if tokens:
+            async with self._conn() as conn:
+                await conn.execute(self.q["request_stop"], list(tokens), node_id)
+
+    async def take_outbox(self, node_id: str) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["take_outbox"], node_id)
+
+    async def nodes_with_outbox(self) -> list[str]:
+        async with self._conn() as conn:
+            return [r["node_id"] for r in await conn.fetch(self.q["node_outbox_pending"])]
+
+    async def list_nodes(self) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["list_nodes"])
+
+    async def get_node(self, ref: str) -> asyncpg.Record:
+        """A node by id or by name; a name two nodes share is refused."""
+        async with self._conn() as conn:
+            rows = await conn.fetch(self.q["get_node"], ref)
+        if not rows:
+            raise NotFound(f"no node {ref!r}")
+        if len(rows) > 1 and rows[0]["id"] != ref:
+            raise Conflict(f"more than one node is named {ref!r}; use its id")
+        return rows[0]
+
+    async def set_draining(self, node_id: str, draining: bool) -> None:
+        async with self._conn() as conn:
+            row = await conn.fetchrow(self.q["set_draining"], node_id, draining)
+        if row is None:
+            raise NotFound(f"no node {node_id!r}")
+
+    # ---- watchdog -------------------------------------------------------------------------------
+
+    async def mark_unreachable(self, after: float) -> list[str]:
+        async with self._conn() as conn:
+            return [r["id"] for r in await conn.fetch(self.q["mark_unreachable"], after)]
+
+    async def mark_offline(self, after: float) -> list[str]:
+        async with self._conn() as conn:
+            return [r["id"] for r in await conn.fetch(self.q["mark_offline"], after)]
+
+    async def overdue_accepts(self, limit: int) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["watch_overdue_accept"], limit)
+
+    async def timed_out(self, limit: int) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["watch_timeouts"], limit)
+
+    async def cancel_grace_expired(self, grace: float, limit: int) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["watch_cancel_grace"], grace, limit)
+
+    async def lost_tasks(self, limit: int) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["watch_lost"], limit)

@@ -1,0 +1,72 @@
+-- node_hello --
+-- A node (re)connects: record its facts and capacity, take its session for this gateway.
+INSERT INTO nodes (id, name, pool, arch, labels, capabilities, backends, artifacts, protocol_min,
+                   protocol_max, gpu_indexes, alloc_cpu_millis, alloc_memory_bytes, alloc_disk_bytes,
+                   alloc_gpus, alloc_slots, health, connected, gateway_id, session, last_heartbeat_at,
+                   connected_at, agent_version)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, 'online', true, $17, 1,
+        now(), now(), $18)
+ON CONFLICT (id) DO UPDATE SET
+    name = EXCLUDED.name, pool = EXCLUDED.pool, arch = EXCLUDED.arch,
+    labels = CASE WHEN nodes.labels_overridden THEN nodes.labels ELSE EXCLUDED.labels END,
+    capabilities = EXCLUDED.capabilities,
+    backends = EXCLUDED.backends, artifacts = EXCLUDED.artifacts, protocol_min = EXCLUDED.protocol_min,
+    protocol_max = EXCLUDED.protocol_max, gpu_indexes = EXCLUDED.gpu_indexes,
+    -- a node that shrank keeps what it already holds: allocatable never drops below reserved
+    alloc_cpu_millis = GREATEST(EXCLUDED.alloc_cpu_millis, nodes.res_cpu_millis),
+    alloc_memory_bytes = GREATEST(EXCLUDED.alloc_memory_bytes, nodes.res_memory_bytes),
+    alloc_disk_bytes = GREATEST(EXCLUDED.alloc_disk_bytes, nodes.res_disk_bytes),
+    alloc_gpus = GREATEST(EXCLUDED.alloc_gpus, nodes.res_gpus),
+    alloc_slots = GREATEST(EXCLUDED.alloc_slots, nodes.res_slots),
+    health = 'online', connected = true, gateway_id = EXCLUDED.gateway_id,
+    session = nodes.session + 1, last_heartbeat_at = now(), connected_at = now(),
+    agent_version = EXCLUDED.agent_version, updated_at = now()
+WHERE nodes.revoked_at IS NULL
+RETURNING id, session, draining, pg_notify('podium_dispatch', '')
+
+-- heartbeats --
+-- One statement for every heartbeat a gateway received since its last flush. Health comes back to
+-- online (a node that talks again is reachable again); only the node's current session counts.
+UPDATE nodes n SET last_heartbeat_at = now(), health = 'online', connected = true, gateway_id = $3
+FROM unnest($1::text[], $2::bigint[]) AS d(id, session)
+WHERE n.id = d.id AND n.session = d.session
+
+-- node_disconnected --
+UPDATE nodes SET connected = false, gateway_id = NULL, updated_at = now()
+WHERE id = $1 AND session = $2
+
+-- release_gateway --
+-- A gateway shutting down lets go of all its nodes at once.
+UPDATE nodes SET connected = false, gateway_id = NULL, updated_at = now() WHERE gateway_id = $1
+
+-- mark_unreachable --
+UPDATE nodes SET health = 'unreachable', updated_at = now()
+WHERE health = 'online' AND last_heartbeat_at < now() - make_interval(secs => $1)
+RETURNING id
+
+-- mark_offline --
+UPDATE nodes SET health = 'offline', connected = false, updated_at = now()
+WHERE health <> 'offline' AND last_heartbeat_at < now() - make_interval(secs => $1)
+RETURNING id
+
+-- placement_nodes --
+-- Every node placement could use, with the GPU indexes its live attempts hold.
+SELECT n.*, COALESCE((
+    SELECT array_agg(g) FROM attempts a, unnest(a.gpu_indexes) g
+    WHERE a.node_id = n.id AND NOT a.released AND a.gpus > 0), '{}') AS gpus_in_use
+FROM nodes n
+WHERE n.connected AND n.revoked_at IS NULL
+
+-- list_nodes --
+SELECT * FROM nodes ORDER BY name, id
+
+-- get_node --
+SELECT * FROM nodes WHERE id = $1 OR name = $1 ORDER BY (id = $1) DESC LIMIT 2
+
+-- set_draining --
+UPDATE nodes SET draining = $2, updated_at = now() WHERE id = $1
+RETURNING id, pg_notify('podium_dispatch', '')
+
+-- node_outbox_pending --
+SELECT DISTINCT node_id FROM attempts
+WHERE (delivered_at IS NULL AND state = 'assigned') OR (stop_requested_at IS NOT NULL AND stop_sent_at IS NULL)

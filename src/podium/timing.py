@@ -1,0 +1,76 @@
+"""Every clock Podium runs on, in one value, so a test can shrink them all together and an operator
+reading the code finds the whole policy in one place.
+
+The defaults are the seed's canonical numbers: heartbeat every 10s, unreachable at 30s, offline at
+120s, a 15s provisioning deadline, a 30s SIGTERM→SIGKILL grace on the node and 60s before the server
+gives up waiting for a cancelled task's node. `PODIUM_TEST_FAST_TIMERS=1` divides every duration by
+ten (`FAST_TIMER_DIVISOR`); `claim_limit` is a batch size, not a duration, and is never touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+FAST_TIMERS_ENV = "PODIUM_TEST_FAST_TIMERS"
+FAST_TIMER_DIVISOR = 10
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """All durations are in seconds."""
+
+    # How often queued work is claimed. A NOTIFY on "task queued" beats it for fresh submissions;
+    # this is the backstop.
+    tick: float = 1.0
+    # How often leases, timeouts, cancels and node health are swept.
+    watchdog: float = 1.0
+    # An assignment's lease until the task has proved it is being worked on.
+    lease_ttl: float = 300.0
+    # How long a node has, after Assign, to say provisioning; past it the assignment is revoked.
+    provisioning_deadline: float = 15.0
+    # Added to the spec's timeout to give a running task's lease its expiry, so a lease never
+    # expires under a task that is still legitimately running.
+    lease_grace: float = 60.0
+    # Agent → server heartbeat period.
+    heartbeat: float = 10.0
+    # No heartbeat this long: node unreachable. Its tasks keep running.
+    unreachable_after: float = 30.0
+    # No heartbeat this long: node offline, its leases expire, the node-loss policy applies.
+    offline_after: float = 120.0
+    # SIGTERM → SIGKILL on the node.
+    kill_grace: float = 30.0
+    # After a cancel, how long the server waits for the node before writing the end itself.
+    cancel_grace: float = 60.0
+    # How many queued tasks one dispatch tick considers. A batch size, not a duration.
+    claim_limit: int = 512
+
+    def scaled(self, divisor: float) -> Timing:
+        """Every duration divided by `divisor`; claim_limit untouched."""
+        changes = {
+            f.name: getattr(self, f.name) / divisor
+            for f in dataclasses.fields(self)
+            if f.name != "claim_limit"
+        }
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_TIMING = Timing()
+
+
+def fast_timers_enabled(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return env.get(FAST_TIMERS_ENV, "").strip().lower() in _TRUE
+
+
+def timing_from_env(environ: dict[str, str] | os._Environ[str] | None = None) -> Timing:
+    """DEFAULT_TIMING, shrunk tenfold when PODIUM_TEST_FAST_TIMERS says so.
+
+    Called once at process start; the result is passed down, never re-read.
+    """
+    if fast_timers_enabled(environ):
+        return DEFAULT_TIMING.scaled(FAST_TIMER_DIVISOR)
+    return DEFAULT_TIMING
