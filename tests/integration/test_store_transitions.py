@@ -1,0 +1,122 @@
+"""The state machine, against real PostgreSQL (embedded and 15): every allowed transition goes
+through; a wrong `from`, a stale fencing token or another node's claim changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from podium import reasons
+from podium.states import ALLOWED, AttemptState, TaskState
+from podium.store import Store
+from tests.integration.helpers import add_node, node_row, place, submit
+
+S = TaskState
+
+
+async def snapshot(store: Store, tid: object) -> tuple:
+    async with store.pool.acquire() as c:
+        task = await c.fetchrow("SELECT * FROM tasks WHERE id = $1", tid)
+        attempts = await c.fetch("SELECT * FROM attempts WHERE task_id = $1 ORDER BY attempt", tid)
+        events = await c.fetch("SELECT * FROM task_events WHERE task_id = $1 ORDER BY id", tid)
+        nodes = await c.fetch("SELECT * FROM nodes ORDER BY id")
+    return dict(task), [dict(a) for a in attempts], [dict(e) for e in events], [dict(n) for n in nodes]
+
+
+async def to_state(store: Store, target: TaskState) -> tuple[object, int | None]:
+    """A task brought to `target` through legal transitions; returns (id, fencing token)."""
+    await add_node(store)
+    tid = await submit(store)
+    if target == S.QUEUED:
+        return tid, None
+    out = await place(store)
+    assert len(out.assigned) == 1
+    tok = out.assigned[0][2]
+    path = {
+        S.ASSIGNED: [],
+        S.PROVISIONING: [(S.ASSIGNED, S.PROVISIONING)],
+        S.RUNNING: [(S.ASSIGNED, S.RUNNING)],
+        S.CANCELLING: [(S.ASSIGNED, S.RUNNING), (S.RUNNING, S.CANCELLING)],
+    }[target]
+    for a, b in path:
+        assert await store.transition_task(tid, a, b, actor="test", fencing_token=tok, node_id="n1")
+    return tid, tok
+
+
+@pytest.mark.parametrize("from_,to", sorted(ALLOWED))
+async def test_every_allowed_transition(store: Store, from_: TaskState, to: TaskState) -> None:
+    tid, tok = await to_state(store, from_)
+    ends = to in (S.QUEUED, S.SUCCEEDED, S.FAILED, S.CANCELLED, S.LOST) and from_ != S.QUEUED
+    result = await store.transition_task(
+        tid, from_, to, actor="test", reason="because", fencing_token=tok,
+        end_attempt=AttemptState.EXITED if ends else None,
+    )  # fmt: skip
+    assert result is not None
+    task, attempts, events, nodes = await snapshot(store, tid)
+    assert task["state"] == to
+    assert (events[-1]["from_state"], events[-1]["to_state"], events[-1]["reason"]) == (from_, to, "because")
+    if ends:
+        # the attempt is closed and its capacity given back, exactly
+        assert attempts[-1]["released"] and attempts[-1]["finished_at"] is not None
+        assert task["node_id"] is None
+        assert nodes[0]["res_slots"] == 0 and nodes[0]["res_cpu_millis"] == 0 and nodes[0]["res_memory_bytes"] == 0
+
+
+@pytest.mark.parametrize("actual", [S.QUEUED, S.ASSIGNED, S.RUNNING])
+async def test_wrong_from_changes_nothing(store: Store, actual: TaskState) -> None:
+    tid, tok = await to_state(store, actual)
+    before = await snapshot(store, tid)
+    wrong = S.PROVISIONING if actual != S.PROVISIONING else S.ASSIGNED
+    assert await store.transition_task(tid, wrong, S.RUNNING, actor="test") is None
+    assert await store.transition_task(tid, S.CANCELLING, S.CANCELLED, actor="test") is None
+    assert await snapshot(store, tid) == before
+
+
+async def test_stale_fencing_token_and_foreign_node_change_nothing(store: Store) -> None:
+    tid, tok = await to_state(store, S.RUNNING)
+    assert tok is not None
+    await add_node(store, "n2")
+    before = await snapshot(store, tid)
+    assert await store.transition_task(tid, S.RUNNING, S.SUCCEEDED, actor="node", fencing_token=tok - 1,
+                                       end_attempt=AttemptState.EXITED, exit_code=0) is None  # fmt: skip
+    assert await store.transition_task(tid, S.RUNNING, S.SUCCEEDED, actor="node", fencing_token=tok, node_id="n2",
+                                       end_attempt=AttemptState.EXITED, exit_code=0) is None  # fmt: skip
+    after = await snapshot(store, tid)
+    assert after[:3] == before[:3]
+    # the right node with the right token goes through, once
+    assert await store.transition_task(tid, S.RUNNING, S.SUCCEEDED, actor="node", fencing_token=tok, node_id="n1",
+                                       end_attempt=AttemptState.EXITED, exit_code=0)  # fmt: skip
+    assert await store.transition_task(tid, S.RUNNING, S.SUCCEEDED, actor="node", fencing_token=tok, node_id="n1",
+                                       end_attempt=AttemptState.EXITED, exit_code=0) is None  # fmt: skip
+
+
+async def test_disallowed_transition_is_refused_before_touching_the_database(store: Store) -> None:
+    tid, _ = await to_state(store, S.QUEUED)
+    with pytest.raises(ValueError, match="not allowed"):
+        await store.transition_task(tid, S.SUCCEEDED, S.RUNNING, actor="test")
+
+
+async def test_capacity_is_freed_exactly_once_when_two_enders_race(store: Store) -> None:
+    import asyncio
+
+    tid, tok = await to_state(store, S.RUNNING)
+    assert (await node_row(store, "n1"))["res_slots"] == 1
+    results = await asyncio.gather(
+        store.transition_task(tid, S.RUNNING, S.SUCCEEDED, actor="node", fencing_token=tok, end_attempt=AttemptState.EXITED, exit_code=0),
+        store.transition_task(tid, S.RUNNING, S.QUEUED, actor="watchdog", reason=reasons.NODE_LOST, end_attempt=AttemptState.LOST),
+    )
+    assert sum(r is not None for r in results) == 1
+    n = await node_row(store, "n1")
+    assert n["res_slots"] == 0 and n["res_cpu_millis"] == 0
+
+
+async def test_idempotency_key_returns_the_same_task(store: Store) -> None:
+    from podium.errors import Conflict
+    from podium.spec import TaskSpec
+
+    a, created_a = await store.submit(TaskSpec(command=["true"]), idempotency_key="k")
+    b, created_b = await store.submit(TaskSpec(command=["true"]), idempotency_key="k")
+    assert (created_a, created_b) == (True, False) and a["id"] == b["id"]
+    with pytest.raises(Conflict, match="different spec"):
+        await store.submit(TaskSpec(command=["false"]), idempotency_key="k")
+    async with store.pool.acquire() as c:
+        assert await c.fetchval("SELECT count(*) FROM tasks") == 1

@@ -1,0 +1,99 @@
+"""The pure decisions of the scheduler: what every happening means for a task."""
+
+import pytest
+
+from podium import reasons
+from podium.scheduler import policy
+from podium.scheduler.policy import NO_LEASE, TaskFacts
+from podium.states import ALLOWED, AttemptState, TaskState
+from podium.timing import DEFAULT_TIMING
+
+S = TaskState
+T = DEFAULT_TIMING
+
+
+def f(state: TaskState, **kw: object) -> TaskFacts:
+    return TaskFacts(state=state, **kw)  # type: ignore[arg-type]
+
+
+def test_provisioning_then_running_set_the_leases() -> None:
+    s = policy.on_node_event(f(S.ASSIGNED), policy.PROVISIONING, None, T)
+    assert s and s.to == S.PROVISIONING and s.lease_seconds == T.lease_ttl
+    s = policy.on_node_event(f(S.PROVISIONING, timeout=100.0), policy.RUNNING, None, T)
+    assert s and s.to == S.RUNNING and s.lease_seconds == 100 + T.lease_grace
+    s = policy.on_node_event(f(S.PROVISIONING), policy.RUNNING, None, T)
+    assert s and s.lease_seconds == NO_LEASE
+
+
+def test_exit_codes() -> None:
+    ok = policy.on_node_event(f(S.RUNNING), policy.EXITED, 0, T)
+    assert ok and ok.to == S.SUCCEEDED and ok.end_attempt == AttemptState.EXITED and ok.exit_code == 0
+    bad = policy.on_node_event(f(S.RUNNING), policy.EXITED, 3, T)
+    assert bad and bad.to == S.FAILED and bad.exit_code == 3 and bad.reason == reasons.EXITED_NONZERO
+
+
+def test_an_exit_while_cancelling_is_a_cancel_or_a_timeout() -> None:
+    c = policy.on_node_event(f(S.CANCELLING, cancel_reason=reasons.CANCELLED), policy.EXITED, 143, T)
+    assert c and c.to == S.CANCELLED
+    t = policy.on_node_event(f(S.CANCELLING, cancel_reason=reasons.TIMEOUT), policy.EXITED, 143, T)
+    assert t and t.to == S.FAILED and t.reason == reasons.TIMEOUT
+
+
+def test_late_events_change_nothing_after_the_end() -> None:
+    for st in (S.SUCCEEDED, S.FAILED, S.CANCELLED, S.LOST, S.QUEUED):
+        for kind in (policy.PROVISIONING, policy.RUNNING, policy.EXITED, policy.FAILED_RETRYABLE):
+            assert policy.on_node_event(f(st), kind, 0, T) is None
+
+
+@pytest.mark.parametrize("requeue,attempts,expected", [(True, 1, S.QUEUED), (True, 3, S.LOST), (False, 1, S.LOST)])
+def test_node_loss_policy(requeue: bool, attempts: int, expected: TaskState) -> None:
+    s = policy.on_node_loss(f(S.RUNNING, attempts=attempts, max_attempts=3, requeue_on_node_loss=requeue), reasons.NODE_LOST)
+    assert s and s.to == expected and s.end_attempt == AttemptState.LOST and s.stop
+
+
+def test_accept_deadline_requeues_then_fails() -> None:
+    s = policy.on_accept_overdue(f(S.ASSIGNED, attempts=1, max_attempts=2))
+    assert s and s.to == S.QUEUED and s.reason == reasons.NOT_ACCEPTED and s.stop
+    s = policy.on_accept_overdue(f(S.ASSIGNED, attempts=2, max_attempts=2))
+    assert s and s.to == S.FAILED and s.reason == reasons.NOT_ACCEPTED
+    assert policy.on_accept_overdue(f(S.PROVISIONING)) is None
+
+
+def test_cancel() -> None:
+    q = policy.on_cancel(f(S.QUEUED))
+    assert q and q.to == S.CANCELLED
+    r = policy.on_cancel(f(S.RUNNING))
+    assert r and r.to == S.CANCELLING and r.stop
+    assert policy.on_cancel(f(S.SUCCEEDED)) is None
+    assert policy.on_cancel(f(S.CANCELLING)) is None
+    g = policy.on_cancel_grace(f(S.CANCELLING, cancel_reason=reasons.CANCELLED))
+    assert g and g.to == S.CANCELLED
+
+
+def test_retryable_errors_spend_the_attempt_budget() -> None:
+    s = policy.on_retryable(f(S.RUNNING, attempts=1, max_attempts=2))
+    assert s.to == S.QUEUED
+    s = policy.on_retryable(f(S.RUNNING, attempts=2, max_attempts=2))
+    assert s.to == S.FAILED
+
+
+def test_every_step_any_decider_returns_is_an_allowed_transition() -> None:
+    deciders = [
+        lambda x: policy.on_node_event(x, policy.PROVISIONING, None, T),
+        lambda x: policy.on_node_event(x, policy.RUNNING, None, T),
+        lambda x: policy.on_node_event(x, policy.EXITED, 0, T),
+        lambda x: policy.on_node_event(x, policy.EXITED, 1, T),
+        lambda x: policy.on_node_event(x, policy.NOT_RUNNING, None, T),
+        lambda x: policy.on_node_event(x, policy.FAILED_RETRYABLE, None, T),
+        lambda x: policy.on_node_loss(x, reasons.NODE_LOST),
+        policy.on_accept_overdue,
+        policy.on_cancel,
+        lambda x: policy.on_cancel(x, reasons.TIMEOUT),
+        policy.on_cancel_grace,
+    ]
+    for st in TaskState:
+        for attempts in (1, 3):
+            for d in deciders:
+                step = d(f(st, attempts=attempts, max_attempts=3))
+                if step is not None:
+                    assert (st, step.to) in ALLOWED, (st, step)

@@ -1,0 +1,25 @@
+import dataclasses
+
+from podium.timing import DEFAULT_TIMING, FAST_TIMER_DIVISOR, timing_from_env
+
+
+def test_defaults_are_the_seed_numbers() -> None:
+    t = DEFAULT_TIMING
+    assert (t.heartbeat, t.unreachable_after, t.offline_after) == (10, 30, 120)
+    assert (t.provisioning_deadline, t.kill_grace, t.cancel_grace) == (15, 30, 60)
+
+
+def test_fast_timers_divide_every_duration_but_not_claim_limit() -> None:
+    fast = timing_from_env({"PODIUM_TEST_FAST_TIMERS": "1"})
+    assert FAST_TIMER_DIVISOR == 10
+    for f in dataclasses.fields(fast):
+        if f.name == "claim_limit":
+            assert fast.claim_limit == DEFAULT_TIMING.claim_limit
+        else:
+            assert getattr(fast, f.name) == getattr(DEFAULT_TIMING, f.name) / 10
+
+
+def test_fast_timers_off_by_default_and_for_false_values() -> None:
+    assert timing_from_env({}) == DEFAULT_TIMING
+    assert timing_from_env({"PODIUM_TEST_FAST_TIMERS": "0"}) == DEFAULT_TIMING
+    assert timing_from_env({"PODIUM_TEST_FAST_TIMERS": "true"}).offline_after == 12
