@@ -133,7 +133,10 @@ class Server(Proc):
             with httpx.Client(timeout=2) as c:
                 return c.get(f"{self.api}/healthz").status_code == 200
 
-        wait_for(ready, timeout, what="the server to answer /healthz")
+        try:
+            wait_for(ready, timeout, what="the server to answer /healthz")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- server log ---\n{self.output()[-3000:]}") from None
 
 
 class Agent(Proc):
@@ -212,3 +215,29 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def attempt_intervals(agents: list[Agent]) -> dict[str, list[tuple[float, float, int, str]]]:
+    """Ground truth from the agents' journals: per task, (start, end, token, node) of every process
+    that actually ran. The end is the first stop or fence recorded for that token; an attempt with
+    neither is taken as still running."""
+    starts: dict[int, tuple[str, float, str]] = {}
+    ends: dict[int, float] = {}
+    for a in agents:
+        for e in a.journal_entries():
+            if e["ev"] == "start":
+                starts[e["token"]] = (e["task"], e["t"], a.name)
+            elif e["ev"] in ("stop", "fence"):
+                ends[e["token"]] = min(ends.get(e["token"], float("inf")), e["t"])
+    out: dict[str, list[tuple[float, float, int, str]]] = {}
+    for token, (task, t0, node) in starts.items():
+        out.setdefault(task, []).append((t0, ends.get(token, float("inf")), token, node))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def assert_at_most_one_attempt_at_once(agents: list[Agent]) -> None:
+    for task, spans in attempt_intervals(agents).items():
+        for (s1, e1, tok1, n1), (s2, _e2, tok2, n2) in zip(spans, spans[1:]):
+            assert e1 <= s2, (
+                f"task {task}: attempt {tok1} on {n1} was still running ({e1 - s2:.3f}s) when attempt {tok2} started on {n2}"
+            )

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from podium import __version__
+from podium.agent.fence import FenceKeeper
 from podium.agent.process_backend import ProcessRun
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
@@ -53,6 +54,7 @@ class AgentConfig:
     credential: str = ""
     journal: Path | None = None  # ground truth: what this agent actually started and stopped
     drop_assigns: bool = False  # for fault tests: a node that never accepts
+    provision_delay: float = 0.0  # for fault tests: a provisioning step that takes this long
 
 
 @dataclass(eq=False)
@@ -81,6 +83,9 @@ class Agent:
         self._buffer: deque[pb.AgentMessage] = deque()  # what waits for a stream
         self.connected = asyncio.Event()
         self.workdir = config.state_dir / "tasks"
+        self.fence = FenceKeeper(config.journal)
+        self.fence_after = timing.offline_after - 2 * timing.heartbeat
+        self._beats_sent: dict[int, float] = {}  # heartbeat seq → when it was sent (monotonic)
 
     # ---- ground truth ------------------------------------------------------------------------
 
@@ -160,6 +165,7 @@ class Agent:
 
         async with grpc.aio.insecure_channel(server) as channel:
             stub = pb_grpc.AgentGatewayStub(channel)
+            hello_sent = time.monotonic()
             call = stub.Connect(requests())
             first = await asyncio.wait_for(call.read(), timeout=30)
             if first is grpc.aio.EOF or not first.HasField("welcome"):
@@ -167,6 +173,9 @@ class Agent:
             w = first.welcome
             self.heartbeat_seconds = w.heartbeat_seconds or self.heartbeat_seconds
             self.kill_grace = w.kill_grace_seconds or self.kill_grace
+            self.fence_after = w.fence_after_seconds or self.fence_after
+            # the Hello was recorded as a heartbeat: the lease runs from when it was sent
+            self.fence.renew(hello_sent + self.fence_after)
             log.info("connected to %s (server %s) as %s", server, w.server_id, self.node_id)
             # what is owed from before: unacknowledged ends first, then whatever waited for a stream
             for a in list(self.attempts.values()):
@@ -197,6 +206,7 @@ class Agent:
         seq = 0
         while True:
             seq += 1
+            self._beats_sent[seq] = time.monotonic()
             outq.put_nowait(pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq, running=len(self.attempts))))
             await asyncio.sleep(self.heartbeat_seconds)
 
@@ -210,6 +220,12 @@ class Agent:
             a = self.attempts.get(msg.ack.fencing_token)
             if a is not None and a.final is not None:
                 del self.attempts[a.token]
+        elif kind == "heartbeat_ack":
+            sent = self._beats_sent.get(msg.heartbeat_ack.seq)
+            if sent is not None:
+                self.fence.renew(sent + self.fence_after)
+                for seq in [q for q in self._beats_sent if q <= msg.heartbeat_ack.seq]:
+                    del self._beats_sent[seq]
         elif kind == "drain":
             log.info("server says draining=%s", msg.drain.draining)
 
@@ -254,6 +270,8 @@ class Agent:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         run = ProcessRun(list(spec["command"]), env, workdir)
         try:
+            if self.cfg.provision_delay:
+                await asyncio.sleep(self.cfg.provision_delay)
             if a.cancel_requested:
                 self._event(a, K.EXITED, exit_code=130, message="cancelled before it started")
                 return
@@ -267,13 +285,22 @@ class Agent:
                 return
             a.run = run
             a.phase = "running"
+            assert run.pid is not None
+            self.fence.add(run.pid, a.task_id, a.token)
             self._journal(ev="start", task=a.task_id, token=a.token, pid=run.pid)
             self._event(a, K.RUNNING)
             if a.cancel_requested:
                 asyncio.get_running_loop().create_task(run.stop(self.kill_grace))
             code = await run.wait(lambda stream, data: self._output(a, stream, data))
+            ended = time.monotonic()
+            self.fence.remove(run.pid)
             self._journal(ev="stop", task=a.task_id, token=a.token, code=code)
-            self._event(a, K.EXITED, exit_code=code)
+            if self.fence.expired(ended) and not a.cancel_requested:
+                # it was stopped here because this node lost its lease; another node may have it now
+                msg = f"stopped on this node: no heartbeat acknowledged for {self.fence_after:g}s"
+                self._event(a, K.FAILED_RETRYABLE, message=msg)
+            else:
+                self._event(a, K.EXITED, exit_code=code)
         except asyncio.CancelledError:
             await run.stop(0)
             raise
@@ -291,7 +318,8 @@ class Agent:
             task_id=a.task_id, fencing_token=a.token, stream=stream, seq=seq, data=data)))  # fmt: skip
 
     async def shutdown(self) -> None:
-        """Stop every task (SIGTERM, then SIGKILL after the grace)."""
+        """Stop every task (SIGTERM, then SIGKILL after the grace), then the fence keeper."""
         await asyncio.gather(
             *(a.run.stop(self.kill_grace) for a in self.attempts.values() if a.run is not None), return_exceptions=True
         )
+        self.fence.close()

@@ -127,7 +127,9 @@ def agent(
         gpu_indexes=facts.gpu_indexes(),
         credential=os.environ.get("PODIUM_JOIN_TOKEN", ""),
         journal=journal,
-        drop_assigns=os.environ.get("PODIUM_AGENT_DROP_ASSIGNS") == "1",
+        # fault-injection knobs for the test suite; named TEST so nobody mistakes them for features
+        drop_assigns=os.environ.get("PODIUM_TEST_AGENT_DROP_ASSIGNS") == "1",
+        provision_delay=float(os.environ.get("PODIUM_TEST_AGENT_PROVISION_DELAY", "0")),
     )
     node = Agent(cfg, facts.node_id(sdir), timing_from_env())
 

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_MIN = 1
 PROTOCOL_MAX = 1
 LOG_FLUSH_SECONDS = 0.05
+PERSIST_FOR = 30.0  # seconds a node's report is retried against an unavailable database
 _KIND = {v: k for k, v in pb.TaskEvent.Kind.items()}
 
 
@@ -58,10 +59,13 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self.timing = timing
         self.server_id = server_id
         self.sessions: dict[str, Session] = {}
-        self._beats: dict[str, int] = {}
+        self._beats: dict[str, tuple[int, int]] = {}  # node → (session, latest heartbeat seq)
         self._logs: dict[str, list[tuple[uuid.UUID, int, str, int, bytes]]] = {}
         self._listen_conn = None
         self.events_rejected = 0
+        # A node stops its attempts itself this long after its last acknowledged heartbeat: two
+        # heartbeats before the server may declare it offline and give its work away.
+        self.fence_after = max(timing.offline_after - 2 * timing.heartbeat, timing.offline_after / 2)
 
     # ---- loops ---------------------------------------------------------------------------------
 
@@ -78,12 +82,18 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         while True:
             await asyncio.sleep(interval)
             beats, self._beats = self._beats, {}
+            if not beats:
+                continue
             try:
-                await self.store.heartbeats(list(beats.items()), self.server_id)
+                await self.store.heartbeats([(n, sess) for n, (sess, _seq) in beats.items()], self.server_id)
             except StoreUnavailable as e:
+                # not acknowledged: the nodes' leases are not renewed, which is the truth
                 log.warning("heartbeats not recorded: %s", e)
-                for k, v in beats.items():
-                    self._beats.setdefault(k, v)
+                continue
+            for node_id, (sess, seq) in beats.items():
+                s = self.sessions.get(node_id)
+                if s is not None and s.session == sess:
+                    s.send(pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(seq=seq)))
 
     async def log_loop(self) -> None:
         while True:
@@ -160,9 +170,11 @@ class Gateway(pb_grpc.AgentGatewayServicer):
 
     async def Connect(  # noqa: N802 - the name is the protocol's
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ServerMessage]:
-        first = await anext(aiter(request_iterator), None)
-        if first is None or not first.HasField("hello"):
+    ) -> None:
+        # A coroutine handler with context.read()/write() rather than an async generator: the
+        # stream's cleanup must be able to await the store without racing generator finalisation.
+        first = await context.read()
+        if first is grpc.aio.EOF or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message on a stream must be a Hello")
             return
         hello = first.hello
@@ -195,20 +207,18 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         log.info("node %s (%s) connected, session %d", hello.name, hello.node_id, s.session)
         s.send(pb.ServerMessage(welcome=pb.Welcome(
             node_id=hello.node_id, server_id=self.server_id, heartbeat_seconds=self.timing.heartbeat,
-            kill_grace_seconds=self.timing.kill_grace,
+            kill_grace_seconds=self.timing.kill_grace, fence_after_seconds=self.fence_after,
         )))  # fmt: skip
         if row["draining"]:
             s.send(pb.ServerMessage(drain=pb.Drain(draining=True)))
 
-        reader = asyncio.get_running_loop().create_task(
-            self._read(s, hello, request_iterator), name=f"gateway.read.{hello.node_id}"
-        )
+        reader = asyncio.get_running_loop().create_task(self._read(s, hello, context), name=f"gateway.read.{hello.node_id}")
         try:
             while True:
                 msg = await s.out.get()
                 if msg is None:
                     break
-                yield msg
+                await context.write(msg)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -219,16 +229,20 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                     await self.store.node_disconnected(s.node_id, s.session)
                 log.info("node %s disconnected", s.node_id)
 
-    async def _read(self, s: Session, hello: pb.Hello, it: AsyncIterator[pb.AgentMessage]) -> None:
+    async def _read(self, s: Session, hello: pb.Hello, context: grpc.aio.ServicerContext) -> None:
         try:
-            await self._reconcile(s, hello)
+            await self._persist(s, lambda: self._reconcile(s, hello))
             self._schedule_sync(s.node_id)
-            async for msg in it:
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    break
                 kind = msg.WhichOneof("kind")
                 if kind == "heartbeat":
-                    self._beats[s.node_id] = s.session
+                    self._beats[s.node_id] = (s.session, msg.heartbeat.seq)
                 elif kind == "event":
-                    await self._on_event(s, msg.event)
+                    ev = msg.event
+                    await self._persist(s, lambda ev=ev: self._on_event(s, ev))  # type: ignore[misc]
                 elif kind == "log":
                     lc = msg.log
                     try:
@@ -246,6 +260,22 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             log.exception("node %s: stream reader failed", s.node_id)
         finally:
             s.close()
+
+    async def _persist(self, s: Session, op: Callable[[], Awaitable[None]]) -> None:
+        """Run a store operation for a node, riding out a database blip without dropping the node's
+        stream (a reconnect storm helps nobody); after PERSIST_FOR seconds, give up and let it reconnect.
+        Every operation here is a compare-and-set, so running it again is safe."""
+        delay = 0.05
+        deadline = asyncio.get_running_loop().time() + PERSIST_FOR
+        while True:
+            try:
+                await op()
+                return
+            except StoreUnavailable:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def _reconcile(self, s: Session, hello: pb.Hello) -> None:
         """A (re)connecting node says what it still runs. Keep what is still its own, stop what is not,

@@ -27,7 +27,7 @@ from podium.scheduler import policy
 from podium.scheduler.policy import Step, TaskFacts
 from podium.states import TaskState
 from podium.store import Store, Transition
-from podium.store.db import PlacementDecision
+from podium.store.db import CONNECTION_ERRORS, PlacementDecision
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,9 @@ def node_snapshot(row: asyncpg.Record) -> NodeSnapshot:
     )
 
 
-def requirements(spec: dict[str, Any], cpu: int, memory: int, disk: int, gpus: int) -> Requirements:
+def requirements(
+    spec: dict[str, Any], cpu: int, memory: int, disk: int, gpus: int, avoid: list[str] | None = None
+) -> Requirements:
     return Requirements(
         resources=Resources(cpu, memory, disk, gpus, 1),
         labels=spec.get("labels") or {},
@@ -84,6 +86,7 @@ def requirements(spec: dict[str, Any], cpu: int, memory: int, disk: int, gpus: i
         protocol=spec.get("protocol", 1),
         preferred_artifacts=tuple(spec.get("preferred_artifacts") or ()),
         home_node=spec.get("home_node"),
+        avoid_nodes=frozenset(avoid or ()),
     )
 
 
@@ -126,7 +129,7 @@ class Scheduler:
             except StoreUnavailable as e:
                 log.warning("dispatch: %s; retrying", e)
                 self._listen_conn = None
-            except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as e:
+            except CONNECTION_ERRORS as e:
                 log.warning("dispatch: lost the database (%s); retrying", e)
                 self._listen_conn = None
             try:
@@ -154,7 +157,7 @@ class Scheduler:
         placed: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}
         for t in tasks:
-            req = requirements(t["spec"], t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"])
+            req = requirements(t["spec"], t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], t["avoid"])
             result = placer.place(req)
             if isinstance(result, Unplaceable):
                 unplaced[t["id"]] = result.reason
@@ -172,7 +175,7 @@ class Scheduler:
                 await self.sweep()
             except StoreUnavailable as e:
                 log.warning("watchdog: %s; retrying", e)
-            except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as e:
+            except CONNECTION_ERRORS as e:
                 log.warning("watchdog: lost the database (%s); retrying", e)
             await asyncio.sleep(self.timing.watchdog)
 

@@ -30,14 +30,14 @@ log = logging.getLogger(__name__)
 
 # Errors that mean "the database went away or the connection was killed": nothing was written.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,  # pg_terminate_backend, shutdown, cancel
     asyncpg.exceptions.InterfaceError,
-    asyncpg.exceptions.CannotConnectNowError,
-    asyncpg.exceptions.AdminShutdownError,
-    asyncpg.exceptions.ConnectionFailureError,
+    asyncpg.exceptions.InternalClientError,  # a connection left mid-operation by a killed backend
     asyncpg.exceptions.TooManyConnectionsError,
     ConnectionError,
     OSError,
+    TimeoutError,
 )
 
 
@@ -113,8 +113,11 @@ class Store:
 
     async def listen(self, channel: str, callback: Callable[[str], None]) -> asyncpg.Connection:
         """A dedicated connection LISTENing on `channel`. The caller owns it and closes it."""
-        conn = await asyncpg.connect(self.dsn)
-        await conn.add_listener(channel, lambda _c, _pid, _ch, payload: callback(payload))
+        try:
+            conn = await asyncpg.connect(self.dsn)
+            await conn.add_listener(channel, lambda _c, _pid, _ch, payload: callback(payload))
+        except CONNECTION_ERRORS as e:
+            raise StoreUnavailable(f"cannot LISTEN on {channel}: {e}") from e
         return conn
 
     # ---- tasks ----------------------------------------------------------------------------------

@@ -91,13 +91,16 @@ SELECT t.id, t.fencing_token,
 FROM t
 
 -- claim_queued --
--- The dispatch claim. SKIP LOCKED lets several schedulers claim disjoint batches at once.
-SELECT id, spec, cpu_millis, memory_bytes, disk_bytes, gpus, reason
-FROM tasks
-WHERE state = 'queued'
-ORDER BY priority DESC, created_at, id
+-- The dispatch claim. SKIP LOCKED lets several schedulers claim disjoint batches at once. `avoid` is
+-- the nodes earlier attempts were lost on, revoked from or failed on: placement tries others first.
+SELECT t.id, t.spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason,
+       ARRAY(SELECT DISTINCT a.node_id FROM attempts a
+             WHERE a.task_id = t.id AND a.state IN ('revoked', 'lost', 'failed')) AS avoid
+FROM tasks t
+WHERE t.state = 'queued'
+ORDER BY t.priority DESC, t.created_at, t.id
 LIMIT $1
-FOR UPDATE SKIP LOCKED
+FOR UPDATE OF t SKIP LOCKED
 
 -- reserve_capacity --
 -- Take capacity on each node for a batch of placements; a node that no longer has room (another

@@ -135,32 +135,36 @@ class LogChunk(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., stream: _Optional[str] = ..., seq: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "assign", "cancel", "ack", "drain")
+    __slots__ = ("welcome", "assign", "cancel", "ack", "drain", "heartbeat_ack")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     assign: Assign
     cancel: Cancel
     ack: Ack
     drain: Drain
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+    heartbeat_ack: HeartbeatAck
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("node_id", "server_id", "heartbeat_seconds", "kill_grace_seconds", "node_credential")
+    __slots__ = ("node_id", "server_id", "heartbeat_seconds", "kill_grace_seconds", "node_credential", "fence_after_seconds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KILL_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    FENCE_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     server_id: str
     heartbeat_seconds: float
     kill_grace_seconds: float
     node_credential: str
-    def __init__(self, node_id: _Optional[str] = ..., server_id: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., kill_grace_seconds: _Optional[float] = ..., node_credential: _Optional[str] = ...) -> None: ...
+    fence_after_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., server_id: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., kill_grace_seconds: _Optional[float] = ..., node_credential: _Optional[str] = ..., fence_after_seconds: _Optional[float] = ...) -> None: ...
 
 class SecretValue(_message.Message):
     __slots__ = ("env", "value")
@@ -215,6 +219,12 @@ class Ack(_message.Message):
     task_id: str
     fencing_token: int
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
+
+class HeartbeatAck(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ("draining",)

@@ -1,0 +1,81 @@
+"""PostgreSQL connections killed under load (pg_terminate_backend): the server recovers by itself
+and no acknowledged submission is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import asyncpg
+import httpx
+
+from tests.acceptance.conftest import Cluster
+from tests.harness import assert_at_most_one_attempt_at_once, wait_for
+
+
+def _killer(db_url: str, stop: threading.Event, killed: list[int]) -> None:
+    async def run() -> None:
+        conn = await asyncpg.connect(db_url)
+        try:
+            dbname = await conn.fetchval("SELECT current_database()")
+            while not stop.is_set():
+                n = await conn.fetchval(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                    dbname,
+                )
+                killed.append(n)
+                await asyncio.sleep(1.0)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+
+
+def test_killed_database_connections_lose_no_acknowledged_submission(cluster: Cluster) -> None:
+    assert cluster.db_url
+    srv = cluster.server()
+    cluster.agent("a", slots=8)
+    cluster.agent("b", slots=8)
+    stop = threading.Event()
+    killed: list[int] = []
+    killer = threading.Thread(target=_killer, args=(cluster.db_url, stop, killed), daemon=True)
+    killer.start()
+    acknowledged: dict[str, str] = {}  # idempotency key → task id
+    refused = 0
+    try:
+        with httpx.Client(base_url=srv.api, timeout=30) as http:
+            deadline = time.monotonic() + 8
+            i = 0
+            while time.monotonic() < deadline:
+                key = f"job-{i}"
+                # a client that did not get an answer retries with the same key, as it should
+                for _attempt in range(20):
+                    try:
+                        r = http.post("/v1/tasks", json={"command": ["true"], "idempotency_key": key})
+                    except httpx.HTTPError:
+                        refused += 1
+                        time.sleep(0.05)
+                        continue
+                    if r.status_code in (200, 201):
+                        acknowledged[key] = r.json()["task"]["id"]
+                        break
+                    assert r.status_code == 503, r.text  # never a 500
+                    refused += 1
+                    time.sleep(0.05)
+                i += 1
+    finally:
+        stop.set()
+        killer.join(10)
+    assert sum(killed) > 0, "the fault was never injected"
+    assert len(acknowledged) >= 20
+    # the server is still alive and every acknowledged task runs to the end, exactly once
+    assert srv.alive()
+    for key, tid in acknowledged.items():
+        t = cluster.api.wait_state(tid, ("succeeded", "failed", "lost", "cancelled"), 120)
+        assert t["state"] == "succeeded", (key, t)
+        assert t["idempotency_key"] == key
+    ids = {t["id"] for t in cluster.api.http.get("/v1/tasks", params={"limit": 1000}).json()}
+    assert ids == set(acknowledged.values()), "a retried submission created a second task"
+    wait_for(lambda: all(n["reserved"]["slots"] == 0 for n in cluster.api.nodes()), 30)
+    assert_at_most_one_attempt_at_once(cluster.agents)
