@@ -54,6 +54,12 @@ def validate_labels(labels: dict[str, str], what: str = "label") -> dict[str, st
     return labels
 
 
+def validate_name(v: str, what: str = "name") -> str:
+    if not _NAME.match(v):
+        raise ValueError(f"{what} {v!r} is not valid; use letters, digits, '-', '_', '.' (up to 128, starting with a letter or digit)")
+    return v
+
+
 def parse_label_pairs(pairs: list[str]) -> dict[str, str]:
     """`["gpu=a100", "zone=eu-1"]` → dict, for CLI flags."""
     out: dict[str, str] = {}

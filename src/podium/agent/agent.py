@@ -50,6 +50,7 @@ class AgentConfig:
     pool: str = "default"
     arch: str = "x86_64"
     capabilities: list[str] = field(default_factory=list)
+    artifacts: list[str] = field(default_factory=list)
     gpu_indexes: list[int] = field(default_factory=list)
     credential: str = ""
     journal: Path | None = None  # ground truth: what this agent actually started and stopped
@@ -149,7 +150,7 @@ class Agent:
             node_id=self.node_id, name=c.name, credential=c.credential, labels=c.labels,
             capacity=pb.Resources(cpu_millis=c.cpu_millis, memory_bytes=c.memory_bytes, disk_bytes=c.disk_bytes,
                                   gpus=len(c.gpu_indexes), slots=c.slots),
-            backends=["process"], pool=c.pool, arch=c.arch, capabilities=c.capabilities,
+            backends=["process"], pool=c.pool, arch=c.arch, capabilities=c.capabilities, artifacts=c.artifacts,
             protocol_min=1, protocol_max=1, gpu_indexes=c.gpu_indexes, agent_version=__version__,
             tasks=[pb.RunningTask(task_id=a.task_id, fencing_token=a.token, phase=a.phase)
                    for a in self.attempts.values()],

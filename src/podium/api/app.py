@@ -18,12 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from podium import __version__
 from podium.api.models import (
-    ErrorOut, LogChunkOut, LogsOut, NodeOut, SubmitResponse, TaskDetail, TaskOut,
-    attempt_out, event_out, node_out, task_out,
+    ErrorOut, ExplainOut, LabelsIn, LogChunkOut, LogsOut, NamedSpecOut, NodeOut, SubmitNamedIn, SubmitResponse,
+    TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
 )  # fmt: skip
 from podium.errors import Conflict, InvalidRequest, NotFound, StoreUnavailable
 from podium.scheduler.service import Scheduler
-from podium.spec import SubmitRequest
+from podium.spec import SubmitRequest, TaskSpec, validate_name
 from podium.states import TERMINAL, TaskState
 from podium.store import Store
 
@@ -44,6 +44,13 @@ def _validation_message(exc: RequestValidationError) -> str:
         msg = msg.removeprefix("Value error, ")
         msgs.append(f"{_loc(tuple(e.get('loc', ())))}: {msg}")
     return "; ".join(msgs)
+
+
+def _name(name: str) -> str:
+    try:
+        return validate_name(name)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def parse_task_id(task_id: str) -> uuid.UUID:
@@ -148,6 +155,36 @@ def create_app(store: Store, scheduler: Scheduler) -> FastAPI:
             )
         return StreamingResponse(_follow(store, tid, after), media_type="application/x-ndjson")
 
+    @app.get("/v1/tasks/{task_id}/explain", response_model=ExplainOut, responses=_ERRORS)
+    async def explain(task_id: str) -> ExplainOut:
+        """Why is my task still queued? Every node with the first check it fails, or its score."""
+        task, verdicts, avoid = await scheduler.explain(parse_task_id(task_id))
+        return ExplainOut(
+            task_id=task["id"], state=task["state"], reason=task["reason"], node_id=task["node_id"],
+            nodes=[VerdictOut(node_id=v.node_id, name=row["name"] if row else v.node_id, fits=v.failed is None,
+                              failed=v.failed, score=v.score, avoided=v.node_id in avoid) for v, row in verdicts],
+        )  # fmt: skip
+
+    @app.put("/v1/specs/{name}", response_model=NamedSpecOut, status_code=201, responses=_ERRORS)
+    async def put_spec(name: str, body: TaskSpec) -> NamedSpecOut:
+        """Store a new revision of a named spec."""
+        return named_spec_out(await store.put_named_spec(_name(name), body, actor="api"))
+
+    @app.get("/v1/specs", response_model=list[NamedSpecOut], responses=_ERRORS)
+    async def list_specs() -> list[NamedSpecOut]:
+        return [named_spec_out(r) for r in await store.list_named_specs()]
+
+    @app.get("/v1/specs/{name}", response_model=NamedSpecOut, responses=_ERRORS)
+    async def get_spec(name: str, revision: Annotated[int | None, Query(ge=1)] = None) -> NamedSpecOut:
+        return named_spec_out(await store.named_spec(_name(name), revision))
+
+    @app.post("/v1/specs/{name}/submit", response_model=SubmitResponse, status_code=201, responses=_ERRORS)
+    async def submit_spec(name: str, body: SubmitNamedIn) -> Any:
+        """Submit the named spec. With `revision`, refused (409) unless that is still the current one."""
+        row, created = await store.submit_named(_name(name), body.revision, idempotency_key=body.idempotency_key, actor="api")
+        resp = SubmitResponse(task=task_out(row), created=created)
+        return JSONResponse(json.loads(resp.model_dump_json()), status_code=201 if created else 200)
+
     @app.get("/v1/nodes", response_model=list[NodeOut], responses=_ERRORS)
     async def list_nodes() -> list[NodeOut]:
         return [node_out(r) for r in await store.list_nodes()]
@@ -161,6 +198,13 @@ def create_app(store: Store, scheduler: Scheduler) -> FastAPI:
         """Take no new work on this node; what it runs finishes."""
         row = await store.get_node(node)
         await store.set_draining(row["id"], True)
+        return node_out(await store.get_node(row["id"]))
+
+    @app.put("/v1/nodes/{node}/labels", response_model=NodeOut, responses=_ERRORS)
+    async def set_labels(node: str, body: LabelsIn) -> NodeOut:
+        """Replace a node's labels. From then on the operator's labels win over what the agent reports."""
+        row = await store.get_node(node)
+        await store.set_labels(row["id"], body.labels)
         return node_out(await store.get_node(row["id"]))
 
     @app.post("/v1/nodes/{node}/undrain", response_model=NodeOut, responses=_ERRORS)

@@ -6,7 +6,9 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from podium.spec import validate_labels
 
 from podium.states import TERMINAL, TaskState
 
@@ -53,6 +55,8 @@ class TaskOut(BaseModel):
     lease_expires_at: datetime | None
     accept_deadline: datetime | None
     idempotency_key: str | None
+    spec_name: str | None
+    spec_revision: int | None
     spec: dict[str, Any]
 
 
@@ -104,6 +108,53 @@ class NodeOut(BaseModel):
     reserved: ResourcesOut
     last_heartbeat_at: datetime | None
     agent_version: str
+    artifacts: list[str]
+    protocol_min: int
+    protocol_max: int
+    gpu_indexes: list[int]
+
+
+class VerdictOut(BaseModel):
+    node_id: str
+    name: str
+    fits: bool
+    failed: str | None  # the first check this node fails for the task
+    score: float | None  # higher is better, when it fits
+    avoided: bool  # an earlier attempt of this task failed there
+
+
+class ExplainOut(BaseModel):
+    task_id: uuid.UUID
+    state: str
+    reason: str | None
+    node_id: str | None
+    nodes: list[VerdictOut]
+
+
+class LabelsIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    labels: dict[str, str]
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        return validate_labels(v)
+
+
+class NamedSpecOut(BaseModel):
+    name: str
+    revision: int
+    spec: dict[str, Any]
+    created_at: datetime
+    created_by: str
+
+
+class SubmitNamedIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    revision: int | None = Field(default=None, ge=1, description="refuse unless this is the current revision")
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
 
 
 class ErrorOut(BaseModel):
@@ -116,7 +167,7 @@ def task_out(r: Any) -> TaskOut:
         exit_code=r["exit_code"], node_id=r["node_id"], fencing_token=r["fencing_token"], attempts=r["attempts"],
         max_attempts=r["max_attempts"], priority=r["priority"], created_at=r["created_at"], updated_at=r["updated_at"],
         finished_at=r["finished_at"], lease_expires_at=r["lease_expires_at"], accept_deadline=r["accept_deadline"],
-        idempotency_key=r["idempotency_key"], spec=r["spec"],
+        idempotency_key=r["idempotency_key"], spec_name=r["spec_name"], spec_revision=r["spec_revision"], spec=r["spec"],
     )  # fmt: skip
 
 
@@ -137,5 +188,10 @@ def node_out(r: Any) -> NodeOut:
                                  disk_bytes=r["alloc_disk_bytes"], gpus=r["alloc_gpus"], slots=r["alloc_slots"]),
         reserved=ResourcesOut(cpu_millis=r["res_cpu_millis"], memory_bytes=r["res_memory_bytes"],
                               disk_bytes=r["res_disk_bytes"], gpus=r["res_gpus"], slots=r["res_slots"]),
-        last_heartbeat_at=r["last_heartbeat_at"], agent_version=r["agent_version"],
+        last_heartbeat_at=r["last_heartbeat_at"], agent_version=r["agent_version"], artifacts=list(r["artifacts"]),
+        protocol_min=r["protocol_min"], protocol_max=r["protocol_max"], gpu_indexes=list(r["gpu_indexes"]),
     )  # fmt: skip
+
+
+def named_spec_out(r: Any) -> NamedSpecOut:
+    return NamedSpecOut(name=r["name"], revision=r["revision"], spec=r["spec"], created_at=r["created_at"], created_by=r["created_by"])

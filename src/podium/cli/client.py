@@ -102,6 +102,28 @@ class Client:
                     raise CliError(f"lost the Podium server at {self.addr} and it did not come back") from None
                 time.sleep(0.5)
 
+    def explain(self, task_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/tasks/{task_id}/explain")
+
+    def set_labels(self, node: str, labels: dict[str, str]) -> dict[str, Any]:
+        return self._request("PUT", f"/v1/nodes/{node}/labels", json={"labels": labels})
+
+    def node(self, node: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/nodes/{node}")
+
+    def put_spec(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return self._request("PUT", f"/v1/specs/{name}", json=spec)
+
+    def spec(self, name: str, revision: int | None = None) -> dict[str, Any]:
+        return self._request("GET", f"/v1/specs/{name}", params={"revision": revision} if revision else None)
+
+    def specs(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/v1/specs")
+
+    def submit_spec(self, name: str, revision: int | None, idempotency_key: str | None) -> dict[str, Any]:
+        body = {k: v for k, v in {"revision": revision, "idempotency_key": idempotency_key}.items() if v is not None}
+        return self._request("POST", f"/v1/specs/{name}/submit", json=body)
+
     def nodes(self) -> list[dict[str, Any]]:
         return self._request("GET", "/v1/nodes")
 

@@ -31,9 +31,11 @@ from podium.units import format_cpu, format_size, parse_cpu, parse_duration, par
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Podium: run work on a fleet of machines and know the truth about it.")
 db_app = typer.Typer(no_args_is_help=True, help="Database maintenance.")
 app.add_typer(db_app, name="db")
+spec_app = typer.Typer(no_args_is_help=True, help="Named specs with revisions.")
+app.add_typer(spec_app, name="spec")
 
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # an error is one line, however long
 
 ServerOpt = Annotated[str | None, typer.Option("--server", "-s", help="API address (default $PODIUM_ADDR or http://127.0.0.1:8642)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
@@ -100,6 +102,7 @@ def agent(
     slots: Annotated[int, typer.Option(help="how many tasks may run at once", min=1, max=10000)] = 8,
     pool: Annotated[str, typer.Option(help="the node's pool")] = "default",
     capability: Annotated[list[str], typer.Option("--capability", help="a capability this node offers; repeatable")] = [],  # noqa: B006
+    artifact: Annotated[list[str], typer.Option("--artifact", help="an artifact (image digest) present here; repeatable")] = [],  # noqa: B006
     state_dir: Annotated[Path | None, typer.Option(help="where the node keeps its id and task work dirs")] = None,
     journal: Annotated[Path | None, typer.Option(help="append what actually started/stopped here (JSON lines)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
@@ -124,6 +127,7 @@ def agent(
         pool=pool,
         arch=facts.arch(),
         capabilities=list(capability),
+        artifacts=list(artifact),
         gpu_indexes=facts.gpu_indexes(),
         credential=os.environ.get("PODIUM_JOIN_TOKEN", ""),
         journal=journal,
@@ -282,6 +286,15 @@ def run(
     cpu: Annotated[str | None, typer.Option(help="CPU: cores (0.5, 2) or millicores (500m)")] = None,
     memory: Annotated[str | None, typer.Option(help="memory: 512Mi, 2G, or bytes")] = None,
     label: Annotated[list[str], typer.Option("--label", "-l", help="a node label the task requires, key=value")] = [],  # noqa: B006
+    disk: Annotated[str | None, typer.Option(help="scratch disk: 10Gi, 500M, or bytes")] = None,
+    gpus: Annotated[int | None, typer.Option(help="how many GPUs (exposed through CUDA_VISIBLE_DEVICES)", min=0)] = None,
+    pool: Annotated[str | None, typer.Option(help="run only on nodes of this pool")] = None,
+    arch: Annotated[str | None, typer.Option(help="run only on nodes of this architecture (x86_64, aarch64)")] = None,
+    capability: Annotated[list[str], typer.Option("--capability", help="a capability the node must have; repeatable")] = [],  # noqa: B006
+    prefer: Annotated[list[str], typer.Option("--prefer", help="an artifact (image digest) to prefer nodes holding; repeatable")] = [],  # noqa: B006
+    home_node: Annotated[str | None, typer.Option(help="run only on this node (by id), never elsewhere")] = None,
+    priority: Annotated[int | None, typer.Option(help="higher runs first (-1000..1000)")] = None,
+    no_requeue: Annotated[bool, typer.Option("--no-requeue", help="if its node is lost, end the task as lost instead of retrying")] = False,
     timeout: Annotated[str | None, typer.Option(help="stop the task after this long: 30s, 5m, 1h30m")] = None,
     attempts: Annotated[int | None, typer.Option(help="how many nodes may try it (default 3)")] = None,
     name: Annotated[str | None, typer.Option(help="a name for the task")] = None,
@@ -299,6 +312,19 @@ def run(
         body.setdefault("resources", {})["memory"] = _parse(parse_size, memory, "--memory")
     if label:
         body["labels"] = _labels(label)
+    if disk is not None:
+        body.setdefault("resources", {})["disk"] = _parse(parse_size, disk, "--disk")
+    if gpus is not None:
+        body.setdefault("resources", {})["gpus"] = gpus
+    for key, value in (("pool", pool), ("arch", arch), ("home_node", home_node), ("priority", priority)):
+        if value is not None:
+            body[key] = value
+    if capability:
+        body["capabilities"] = list(capability)
+    if prefer:
+        body["preferred_artifacts"] = list(prefer)
+    if no_requeue:
+        body["requeue_on_node_loss"] = False
     if timeout is not None:
         body["timeout"] = _parse(parse_duration, timeout, "--timeout")
     if attempts is not None:
@@ -366,16 +392,7 @@ def submit(
     json_out: JsonOpt = False,
 ) -> None:
     """Submit a task from a spec file; prints its id."""
-    try:
-        text = sys.stdin.read() if file == "-" else Path(file).read_text()
-    except OSError as e:
-        raise CliError(f"cannot read {file}: {e.strerror}") from None
-    try:
-        body = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise CliError(f"{file} is not valid YAML or JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise CliError(f"{file} must hold a mapping of spec fields (command, resources, …)")
+    body = _read_spec(file)
     resp = Client(server).submit(_validate(body))
     if json_out:
         print(json.dumps(resp, indent=2))
@@ -517,6 +534,103 @@ def undrain(node: str, server: ServerOpt = None) -> None:
     """Let a drained node take new work again."""
     n = Client(server).drain(node, False)
     out.print(f"node {n['name']} ({n['id']}) takes work again")
+
+
+@app.command()
+def explain(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+    """Why is my task still queued? Every node with the first check it fails, or its score."""
+    d = Client(server).explain(task_id)
+    if json_out:
+        print(json.dumps(d, indent=2))
+        return
+    out.print(f"task {d['task_id']} is {_state(d['state'])}" + (f" — {d['reason']}" if d["reason"] else ""))
+    t = Table(box=None)
+    for col in ("NODE", "NAME", "FITS", "SCORE", "FIRST CHECK FAILED"):
+        t.add_column(col)
+    for n in d["nodes"]:
+        t.add_row(n["node_id"], n["name"], "[green]yes[/]" if n["fits"] else "[red]no[/]",
+                  "" if n["score"] is None else f"{n['score']:.2f}" + (" (avoided: failed there before)" if n["avoided"] else ""),
+                  n["failed"] or "")  # fmt: skip
+    out.print(t)
+
+
+@app.command()
+def label(
+    node: str,
+    changes: Annotated[list[str], typer.Argument(help="key=value to set, key- to remove")],
+    server: ServerOpt = None,
+) -> None:
+    """Change a node's labels (kubectl style: zone=eu-1 sets, zone- removes)."""
+    client = Client(server)
+    labels = dict(client.node(node)["labels"])
+    for change in changes:
+        if change.endswith("-") and "=" not in change:
+            labels.pop(change[:-1], None)
+        else:
+            labels.update(_labels([change]))
+    n = client.set_labels(node, labels)
+    out.print(f"node {n['name']} ({n['id']}): " + (",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())) or "no labels"))
+
+
+@spec_app.command("put")
+def spec_put(name: str, file: Annotated[str, typer.Argument(help="a YAML or JSON spec, or -")], server: ServerOpt = None) -> None:
+    """Store a new revision of a named spec."""
+    body = _read_spec(file)
+    _validate(body)
+    r = Client(server).put_spec(name, body)
+    out.print(f"spec {r['name']} is at revision {r['revision']}")
+
+
+@spec_app.command("show")
+def spec_show(name: str, revision: Annotated[int | None, typer.Option(min=1)] = None, server: ServerOpt = None) -> None:
+    """A named spec (the latest revision, or --revision N)."""
+    print(json.dumps(Client(server).spec(name, revision), indent=2))
+
+
+@spec_app.command("ls")
+def spec_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+    """Every named spec at its latest revision."""
+    rows = Client(server).specs()
+    if json_out:
+        print(json.dumps(rows, indent=2))
+        return
+    t = Table(box=None)
+    for col in ("NAME", "REVISION", "CREATED", "COMMAND"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["name"], str(r["revision"]), r["created_at"][:19].replace("T", " "), " ".join(r["spec"].get("command") or []))
+    out.print(t)
+
+
+@spec_app.command("run")
+def spec_run(
+    name: str,
+    revision: Annotated[int | None, typer.Option(help="refuse unless this is still the current revision", min=1)] = None,
+    idempotency_key: Annotated[str | None, typer.Option()] = None,
+    detach: Annotated[bool, typer.Option("--detach", "-d")] = False,
+    server: ServerOpt = None,
+) -> None:
+    """Run a named spec; with --revision, only if nobody changed it since you read it."""
+    client = Client(server)
+    tid = client.submit_spec(name, revision, idempotency_key)["task"]["id"]
+    if detach:
+        print(tid)
+        return
+    raise typer.Exit(_attach(client, tid))
+
+
+def _read_spec(file: str) -> dict[str, Any]:
+    try:
+        text = sys.stdin.read() if file == "-" else Path(file).read_text()
+    except OSError as e:
+        raise CliError(f"cannot read {file}: {e.strerror}") from None
+    try:
+        body = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise CliError(f"{file} is not valid YAML or JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise CliError(f"{file} must hold a mapping of spec fields (command, resources, …)")
+    return body
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import asyncpg
 
 from podium import reasons
 from podium.errors import NotFound, StoreUnavailable
-from podium.placement import NodeSnapshot, Placer, Requirements, Resources, Unplaceable
+from podium.placement import NodeSnapshot, NodeVerdict, Placer, Requirements, Resources, Unplaceable, explain
 from podium.scheduler import policy
 from podium.scheduler.policy import Step, TaskFacts
 from podium.states import TaskState
@@ -245,6 +245,24 @@ class Scheduler:
             await self.apply(row["id"], f.state, policy.on_cancel_grace(f), fencing_token=row["fencing_token"])
 
     # ---- operator actions ---------------------------------------------------------------------
+
+    async def explain(
+        self, task_id: uuid.UUID
+    ) -> tuple[asyncpg.Record, list[tuple[NodeVerdict, asyncpg.Record | None]], frozenset[str]]:
+        """Why is this task where it is: every node with the first check it fails for the task, or
+        its score. Nodes that are not connected are listed too (they fail the first check)."""
+        task = await self.store.get_task(task_id)
+        nodes = await self.store.placement_nodes()
+        everyone = {r["id"]: r for r in await self.store.list_nodes()}
+        avoid = [a["node_id"] for a in (await self.store.task_detail(task_id))[1] if a["state"] in ("revoked", "lost", "failed")]
+        req = requirements(task["spec"], task["cpu_millis"], task["memory_bytes"], task["disk_bytes"], task["gpus"], avoid)
+        snaps = [node_snapshot(n) for n in nodes]
+        connected = {n.id for n in snaps}
+        for nid, row in everyone.items():
+            if nid not in connected:
+                snaps.append(NodeSnapshot(id=nid, name=row["name"], connected=False, health=row["health"]))
+        verdicts = explain(req, snaps, policy=self.policy_name)
+        return task, [(v, everyone.get(v.node_id)) for v in verdicts], req.avoid_nodes
 
     async def cancel(self, task_id: uuid.UUID, actor: str) -> asyncpg.Record:
         """Cancel a task: a queued one ends at once; one on a node is told to stop. Retries the

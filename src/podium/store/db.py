@@ -123,7 +123,13 @@ class Store:
     # ---- tasks ----------------------------------------------------------------------------------
 
     async def submit(
-        self, spec: TaskSpec, *, idempotency_key: str | None = None, actor: str = "api"
+        self,
+        spec: TaskSpec,
+        *,
+        idempotency_key: str | None = None,
+        actor: str = "api",
+        spec_name: str | None = None,
+        spec_revision: int | None = None,
     ) -> tuple[asyncpg.Record, bool]:
         """Store a new queued task. With an idempotency key already used, return that task instead
         (created=False); the same key with a different spec is a Conflict."""
@@ -146,6 +152,8 @@ class Store:
                 spec.requeue_on_node_loss,
                 idempotency_key,
                 actor,
+                spec_name,
+                spec_revision,
             )
             if row is not None:
                 task = await conn.fetchrow(self.q["get_task"], task_id)
@@ -160,6 +168,48 @@ class Store:
                 f"(task {existing['id']}); use a new key for a new task"
             )
         return existing, False
+
+    # ---- named specs ----------------------------------------------------------------------------
+
+    async def put_named_spec(self, name: str, spec: TaskSpec, actor: str) -> asyncpg.Record:
+        spec_json = json.loads(spec.model_dump_json())
+        for _ in range(5):
+            try:
+                async with self._conn() as conn:
+                    return await conn.fetchrow(self.q["put_named_spec"], name, spec_json, actor)
+            except asyncpg.UniqueViolationError:
+                continue  # another writer took that revision number: take the next one
+        raise Conflict(f"spec {name!r} is being changed by someone else; try again")
+
+    async def named_spec(self, name: str, revision: int | None = None) -> asyncpg.Record:
+        async with self._conn() as conn:
+            if revision is None:
+                row = await conn.fetchrow(self.q["latest_named_spec"], name)
+            else:
+                row = await conn.fetchrow(self.q["named_spec_revision"], name, revision)
+        if row is None:
+            raise NotFound(f"no spec named {name!r}" + (f" at revision {revision}" if revision is not None else ""))
+        return row
+
+    async def list_named_specs(self) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["list_named_specs"])
+
+    async def submit_named(
+        self, name: str, revision: int | None, *, idempotency_key: str | None, actor: str
+    ) -> tuple[asyncpg.Record, bool]:
+        """Submit the latest revision of a named spec; a pin to any other revision is refused, so a
+        client never runs a spec it has not seen."""
+        latest = await self.named_spec(name)
+        if revision is not None and revision != latest["revision"]:
+            raise Conflict(
+                f"spec {name!r} is at revision {latest['revision']}, but this submission is pinned to revision "
+                f"{revision}; read the current spec (`podium spec show {name}`) and submit again"
+            )
+        spec = TaskSpec.model_validate(latest["spec"])
+        return await self.submit(
+            spec, idempotency_key=idempotency_key, actor=actor, spec_name=name, spec_revision=latest["revision"]
+        )
 
     async def transition_task(
         self,
@@ -252,6 +302,17 @@ class Store:
         """Claim up to `claim_limit` queued tasks, let `decide` place them, and make the result durable
         in one transaction: reservations, attempts, fencing tokens, leases, events, reasons, notifies."""
         out = DispatchOutcome()
+        try:
+            return await self._dispatch(out, claim_limit, accept_seconds, lease_seconds, decide, actor)
+        except asyncpg.UniqueViolationError:
+            # another scheduler handed out one of the same GPU indexes first: nothing of this batch
+            # was written; the next tick places it again on fresh state
+            log.info("dispatch batch lost a GPU race to another scheduler; retrying")
+            return DispatchOutcome(claimed=out.claimed, lost_races=out.claimed)
+
+    async def _dispatch(
+        self, out: DispatchOutcome, claim_limit: int, accept_seconds: float, lease_seconds: float, decide: Decider, actor: str
+    ) -> DispatchOutcome:
         async with self._conn() as conn, conn.transaction():
             tasks = await conn.fetch(self.q["claim_queued"], claim_limit)
             out.claimed = len(tasks)
@@ -382,6 +443,16 @@ class Store:
         if len(rows) > 1 and rows[0]["id"] != ref:
             raise Conflict(f"more than one node is named {ref!r}; use its id")
         return rows[0]
+
+    async def set_labels(self, node_id: str, labels: dict[str, str]) -> None:
+        async with self._conn() as conn:
+            row = await conn.fetchrow(self.q["set_labels"], node_id, labels)
+        if row is None:
+            raise NotFound(f"no node {node_id!r}")
+
+    async def placement_nodes(self) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["placement_nodes"])
 
     async def set_draining(self, node_id: str, draining: bool) -> None:
         async with self._conn() as conn:

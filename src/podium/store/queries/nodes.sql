@@ -51,9 +51,7 @@ RETURNING id
 
 -- placement_nodes --
 -- Every node placement could use, with the GPU indexes its live attempts hold.
-SELECT n.*, COALESCE((
-    SELECT array_agg(g) FROM attempts a, unnest(a.gpu_indexes) g
-    WHERE a.node_id = n.id AND NOT a.released AND a.gpus > 0), '{}') AS gpus_in_use
+SELECT n.*, ARRAY(SELECT g.gpu_index FROM gpu_claims g WHERE g.node_id = n.id) AS gpus_in_use
 FROM nodes n
 WHERE n.connected AND n.revoked_at IS NULL
 
@@ -70,3 +68,8 @@ RETURNING id, pg_notify('podium_dispatch', '')
 -- node_outbox_pending --
 SELECT DISTINCT node_id FROM attempts
 WHERE (delivered_at IS NULL AND state = 'assigned') OR (stop_requested_at IS NOT NULL AND stop_sent_at IS NULL)
+
+-- set_labels --
+-- An operator's labels replace the agent's from now on (labels_overridden), and wake placement.
+UPDATE nodes SET labels = $2, labels_overridden = true, updated_at = now() WHERE id = $1
+RETURNING id, pg_notify('podium_dispatch', '')

@@ -6,8 +6,9 @@
 -- caller then reads the task the first submit created.
 WITH t AS (
     INSERT INTO tasks (id, name, spec, state, reason, priority, cpu_millis, memory_bytes, disk_bytes, gpus,
-                       timeout_seconds, max_attempts, requeue_on_node_loss, idempotency_key, submitted_by)
-    VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+                       timeout_seconds, max_attempts, requeue_on_node_loss, idempotency_key, submitted_by,
+                       spec_name, spec_revision)
+    VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
     ON CONFLICT (idempotency_key) DO NOTHING
     RETURNING id
 ), e AS (
@@ -55,7 +56,9 @@ WITH t AS (
         stop_requested_at = CASE WHEN $11::bool THEN now() ELSE a.stop_requested_at END
     FROM t
     WHERE $9::text IS NOT NULL AND a.fencing_token = t.fencing_token AND NOT a.released
-    RETURNING a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus
+    RETURNING a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus, a.fencing_token
+), unclaimed AS (
+    DELETE FROM gpu_claims g USING ended WHERE g.fencing_token = ended.fencing_token AND ended.gpus > 0
 ), moved AS (
     UPDATE attempts a SET
         state = COALESCE($10::text, a.state),
@@ -145,6 +148,11 @@ WITH d AS (
     SELECT id, attempts, fencing_token, node_id, 'assigned', cpu_millis, memory_bytes, disk_bytes, gpus,
            COALESCE(string_to_array(NULLIF(gpu_indexes, ''), ',')::int[], '{}'), accept_deadline
     FROM t
+), g AS (
+    -- the primary key makes a GPU index impossible to hand out twice: a racing scheduler's whole
+    -- batch fails and is retried on fresh state
+    INSERT INTO gpu_claims (node_id, gpu_index, fencing_token)
+    SELECT t.node_id, gi::int, t.fencing_token FROM t, unnest(string_to_array(NULLIF(t.gpu_indexes, ''), ',')) gi
 ), e AS (
     INSERT INTO task_events (task_id, from_state, to_state, reason, actor, fencing_token)
     SELECT id, 'queued', 'assigned', NULL, $6, fencing_token FROM t
@@ -255,3 +263,18 @@ LIMIT $1
 -- prune_finished --
 DELETE FROM tasks WHERE id IN (
     SELECT id FROM tasks WHERE finished_at < now() - make_interval(secs => $1) LIMIT $2)
+
+-- latest_named_spec --
+SELECT * FROM named_specs WHERE name = $1 ORDER BY revision DESC LIMIT 1
+
+-- named_spec_revision --
+SELECT * FROM named_specs WHERE name = $1 AND revision = $2
+
+-- put_named_spec --
+-- A new revision; the primary key refuses a concurrent writer that read the same latest revision.
+INSERT INTO named_specs (name, revision, spec, created_by)
+VALUES ($1, COALESCE((SELECT max(revision) FROM named_specs WHERE name = $1), 0) + 1, $2, $3)
+RETURNING *
+
+-- list_named_specs --
+SELECT DISTINCT ON (name) * FROM named_specs ORDER BY name, revision DESC

@@ -1,0 +1,412 @@
+"""A model-based test of a task's whole life, against real PostgreSQL (embedded and 15), the real
+store statements and the real Scheduler (policy + service, no fakes).
+
+Hypothesis drives random interleavings of what can happen to a small fleet (2–3 nodes, a handful of
+tasks): submissions, dispatch ticks, node reports applied the way the gateway applies them (with the
+current fencing token, a stale one, a made-up one, or from the wrong node), operator cancels, node
+silence, nodes coming back (and forgetting what they ran), and deadlines made to pass by moving the
+stored times backwards before a watchdog sweep.
+
+After every step the stored truth is read back and checked:
+
+* a task never holds two live (unreleased) attempts; a task on a node holds exactly one, whose
+  fencing token and node are the task's; a queued or ended task holds none;
+* every node's reservation is exactly the sum over its live attempts, never negative, never more
+  than it offers;
+* a task's history is one unbroken chain of allowed transitions that never leaves an ended state,
+  and ends in the task's state; its attempts' fencing tokens strictly increase;
+* nothing is stranded: on a node-state the task names its node, `assigned` has an accept deadline,
+  `cancelling` has the time the stop was asked for.
+
+Each step also checks its own promise: a refused report (stale token, wrong node) changes nothing
+at all; a current one the policy has a step for goes through; a cancel ends a queued task and stops
+one on a node; and after a sweep no deadline that has passed is left unacted upon.
+
+Async code runs on one event loop per example, with a Store of its own on the test's database,
+emptied at the start of each example.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from podium import reasons
+from podium.scheduler import policy
+from podium.scheduler.service import Scheduler, facts
+from podium.spec import TaskSpec
+from podium.states import ALLOWED, ATTEMPT_LIVE, ON_NODE, TERMINAL, TaskState
+from podium.store import Store
+from podium.timing import DEFAULT_TIMING
+
+S = TaskState
+T = DEFAULT_TIMING
+MAX_TASKS = 6
+NODE_IDS = ("n1", "n2", "n3")
+GiB = 2**30
+
+SETTINGS = settings(
+    max_examples=50,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    print_blob=True,
+)
+
+KINDS = (policy.PROVISIONING, policy.RUNNING, policy.EXITED, policy.FAILED_RETRYABLE, policy.NOT_RUNNING)
+# how a report is signed: the task's current token from its own node, an older token of the task,
+# a token that never existed, or the current token from a node that does not hold the attempt
+SIGNERS = ("current", "current", "current", "stale", "bogus", "wrong_node")
+
+
+def _rows(records: list[Any]) -> list[dict[str, Any]]:
+    return [dict(r) for r in records]
+
+
+class World:
+    """Everything stored, read in one go."""
+
+    def __init__(self, now: Any, tasks: list[dict], attempts: list[dict], events: list[dict], nodes: list[dict]) -> None:
+        self.now = now
+        self.tasks = {t["id"]: t for t in tasks}
+        self.attempts: dict[uuid.UUID, list[dict]] = defaultdict(list)
+        for a in attempts:
+            self.attempts[a["task_id"]].append(a)
+        self.events: dict[uuid.UUID, list[dict]] = defaultdict(list)
+        for e in events:
+            self.events[e["task_id"]].append(e)
+        self.nodes = {n["id"]: n for n in nodes}
+        self.raw = (tasks, attempts, events, nodes)
+
+
+async def read_world(store: Store) -> World:
+    async with store.pool.acquire() as c, c.transaction(isolation="repeatable_read", readonly=True):
+        now = await c.fetchval("SELECT now()")
+        tasks = _rows(await c.fetch("SELECT * FROM tasks ORDER BY id"))
+        attempts = _rows(await c.fetch("SELECT * FROM attempts ORDER BY task_id, attempt"))
+        events = _rows(await c.fetch("SELECT * FROM task_events ORDER BY task_id, id"))
+        nodes = _rows(await c.fetch("SELECT * FROM nodes ORDER BY id"))
+    return World(now, tasks, attempts, events, nodes)
+
+
+def check_invariants(w: World) -> None:  # noqa: C901 - one list of promises, read top to bottom
+    for tid, t in w.tasks.items():
+        st_ = TaskState(t["state"])
+        atts = w.attempts.get(tid, [])
+        live = [a for a in atts if not a["released"]]
+        where = f"task {tid} ({st_})"
+
+        # ---- attempts: at most one live, and the task's own -----------------------------------------
+        assert len(live) <= 1, f"{where} has {len(live)} live attempts: {[a['fencing_token'] for a in live]}"
+        if st_ in ON_NODE:
+            assert len(live) == 1, f"{where} is on a node but holds no live attempt"
+            a = live[0]
+            assert t["node_id"] is not None, f"{where} is on a node-state with no node_id"
+            assert t["fencing_token"] is not None, f"{where} is on a node-state with no fencing token"
+            assert a["fencing_token"] == t["fencing_token"], (
+                f"{where}: live attempt token {a['fencing_token']} != task token {t['fencing_token']}"
+            )
+            assert a["node_id"] == t["node_id"], f"{where}: live attempt on {a['node_id']}, task on {t['node_id']}"
+            want = {S.ASSIGNED: "assigned", S.PROVISIONING: "provisioning", S.RUNNING: "running"}.get(st_)
+            if want is not None:
+                assert a["state"] == want, f"{where}: its attempt is {a['state']}"
+        else:
+            assert not live, f"{where} still holds live attempt {live[0]['fencing_token']} on {live[0]['node_id']}"
+            assert t["node_id"] is None, f"{where} still names node {t['node_id']}"
+        for a in atts:
+            if a["released"]:
+                assert a["state"] not in ATTEMPT_LIVE and a["finished_at"] is not None, f"{where}: released attempt {a}"
+            else:
+                assert a["state"] in ATTEMPT_LIVE, f"{where}: unreleased attempt in state {a['state']}"
+
+        # ---- nothing stranded ------------------------------------------------------------------------
+        if st_ == S.ASSIGNED:
+            assert t["accept_deadline"] is not None, f"{where} has no accept deadline"
+        if st_ == S.CANCELLING:
+            assert t["cancel_requested_at"] is not None, f"{where} has no cancel_requested_at: CancelGrace never fires"
+            assert t["cancel_reason"] in (reasons.CANCELLED, reasons.TIMEOUT), f"{where}: cancel_reason {t['cancel_reason']!r}"
+        if st_ in TERMINAL:
+            assert t["finished_at"] is not None, f"{where} has no finished_at"
+
+        # ---- attempts in order, counted, within budget --------------------------------------------
+        assert [a["attempt"] for a in atts] == list(range(1, len(atts) + 1)), f"{where}: attempt numbers {atts}"
+        tokens = [a["fencing_token"] for a in atts]
+        assert all(x < y for x, y in zip(tokens, tokens[1:])), f"{where}: fencing tokens do not increase: {tokens}"
+        assert t["attempts"] == len(atts), f"{where}: attempts={t['attempts']} but {len(atts)} attempt rows"
+        assert t["attempts"] <= t["max_attempts"], f"{where}: {t['attempts']} attempts > max_attempts {t['max_attempts']}"
+        if atts:
+            assert t["fencing_token"] == tokens[-1], f"{where}: token {t['fencing_token']} is not its last attempt's"
+
+        # ---- history: one chain of allowed steps that never leaves an end ------------------------
+        evs = w.events.get(tid, [])
+        assert evs, f"{where} has no history"
+        assert (evs[0]["from_state"], evs[0]["to_state"]) == (None, "queued"), f"{where}: first event {evs[0]}"
+        for prev, ev in zip(evs, evs[1:]):
+            assert prev["to_state"] not in TERMINAL, (
+                f"{where}: history leaves the end {prev['to_state']} → {ev['to_state']} ({ev['actor']}, {ev['reason']})"
+            )
+            assert ev["from_state"] == prev["to_state"], (
+                f"{where}: event {ev['from_state']} → {ev['to_state']} follows one that ended in {prev['to_state']}"
+            )
+            assert (TaskState(ev["from_state"]), TaskState(ev["to_state"])) in ALLOWED, f"{where}: disallowed event {ev}"
+        assert evs[-1]["to_state"] == st_, f"{where}: history ends in {evs[-1]['to_state']}"
+        assign_tokens = [e["fencing_token"] for e in evs if e["to_state"] == "assigned"]
+        assert assign_tokens == tokens, f"{where}: assignments {assign_tokens} vs attempts {tokens}"
+
+    # ---- every attempt belongs to a task --------------------------------------------------------
+    assert set(w.attempts) <= set(w.tasks), "attempts of unknown tasks"
+
+    # ---- reservations: exactly the live attempts, within allocatable --------------------------------
+    held: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+    for atts in w.attempts.values():
+        for a in atts:
+            if not a["released"]:
+                h = held[a["node_id"]]
+                for i, k in enumerate(("cpu_millis", "memory_bytes", "disk_bytes", "gpus")):
+                    h[i] += a[k]
+                h[4] += 1
+    for nid, n in w.nodes.items():
+        res = [n["res_cpu_millis"], n["res_memory_bytes"], n["res_disk_bytes"], n["res_gpus"], n["res_slots"]]
+        alloc = [n["alloc_cpu_millis"], n["alloc_memory_bytes"], n["alloc_disk_bytes"], n["alloc_gpus"], n["alloc_slots"]]
+        assert res == held[nid], f"node {nid}: reserved {res} but its live attempts hold {held[nid]}"
+        assert all(0 <= r <= al for r, al in zip(res, alloc, strict=True)), f"node {nid}: reserved {res} > allocatable {alloc}"
+    assert set(held) <= set(w.nodes), f"live attempts on unknown nodes {set(held) - set(w.nodes)}"
+
+
+def check_nothing_overdue(w: World) -> None:
+    """Right after a sweep: every deadline that had passed has been acted upon."""
+    from datetime import timedelta
+
+    now = w.now
+    for nid, n in w.nodes.items():
+        silent = now - n["last_heartbeat_at"]
+        if silent > timedelta(seconds=T.offline_after):
+            assert n["health"] == "offline", f"node {nid} silent {silent} is still {n['health']}"
+        elif silent > timedelta(seconds=T.unreachable_after):
+            assert n["health"] != "online", f"node {nid} silent {silent} is still online"
+    for tid, t in w.tasks.items():
+        st_ = t["state"]
+        where = f"task {tid} ({st_})"
+        if st_ == "assigned":
+            assert t["accept_deadline"] >= now, f"{where}: accept deadline passed and the sweep left it assigned"
+        if st_ in ("assigned", "provisioning", "running"):
+            node = w.nodes[t["node_id"]]
+            assert node["health"] != "offline", f"{where} is still on offline node {t['node_id']} after a sweep"
+            assert t["lease_expires_at"] is None or t["lease_expires_at"] >= now, f"{where}: its lease expired"
+        if st_ == "running" and t["timeout_seconds"] is not None:
+            assert t["started_at"] + timedelta(seconds=t["timeout_seconds"]) >= now, f"{where}: timed out, still running"
+        if st_ == "cancelling":
+            assert t["cancel_requested_at"] >= now - timedelta(seconds=T.cancel_grace), f"{where}: CancelGrace passed"
+
+
+async def hello(store: Store, node_id: str, slots: int, cpu: int = 2000) -> Any:
+    row = await store.node_hello(
+        node_id=node_id, name=node_id, pool="default", arch="x86_64", labels={}, capabilities=[],
+        backends=["process"], artifacts=[], protocol_min=1, protocol_max=1, gpu_indexes=[], cpu_millis=cpu,
+        memory_bytes=4 * GiB, disk_bytes=10 * GiB, gpus=0, slots=slots, gateway_id="model", agent_version="model",
+    )  # fmt: skip
+    assert row is not None
+    return row
+
+
+def make_machine(db_url: str) -> type[RuleBasedStateMachine]:
+    class Lifecycle(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.loop = asyncio.new_event_loop()
+            self.store: Store | None = None
+            self.store = self.run(Store.connect(db_url, min_size=1, max_size=3))
+            self.run(self._truncate())
+            self.sched = Scheduler(self.store, T, server_id="model")
+            self.tasks: list[uuid.UUID] = []
+            self.nodes: list[str] = []
+            self.swept_cleanly = False
+
+        def run(self, coro: Any) -> Any:
+            return self.loop.run_until_complete(coro)
+
+        async def _truncate(self) -> None:
+            assert self.store is not None
+            async with self.store.pool.acquire() as c:
+                await c.execute("TRUNCATE tasks, attempts, task_events, log_chunks, nodes CASCADE")
+
+        def teardown(self) -> None:
+            try:
+                if self.store is not None:
+                    self.run(self.store.close())
+            finally:
+                self.loop.close()
+
+        def world(self) -> World:
+            assert self.store is not None
+            return self.run(read_world(self.store))
+
+        async def sql(self, query: str, *args: Any) -> str:
+            assert self.store is not None
+            async with self.store.pool.acquire() as c:
+                return await c.execute(query, *args)
+
+        def pick(self, i: int) -> uuid.UUID:
+            return self.tasks[i % len(self.tasks)]
+
+        # ---- the fleet -----------------------------------------------------------------------------
+
+        @initialize(slots=st.lists(st.integers(1, 3), min_size=2, max_size=3))
+        def fleet(self, slots: list[int]) -> None:
+            assert self.store is not None
+            for nid, n in zip(NODE_IDS, slots):
+                self.run(hello(self.store, nid, n))
+                self.nodes.append(nid)
+
+        # ---- operators ---------------------------------------------------------------------------
+
+        @precondition(lambda self: len(self.tasks) < MAX_TASKS)
+        @rule(
+            cpu=st.sampled_from([250, 1000, 1500, 2500]),
+            max_attempts=st.integers(1, 3),
+            requeue=st.booleans(),
+            timeout=st.sampled_from([None, 600.0]),
+        )
+        def submit(self, cpu: int, max_attempts: int, requeue: bool, timeout: float | None) -> None:
+            assert self.store is not None
+            spec = TaskSpec(command=["true"], resources={"cpu": f"{cpu}m", "memory": "64Mi"}, max_attempts=max_attempts,
+                            requeue_on_node_loss=requeue, timeout=timeout)  # fmt: skip
+            row, created = self.run(self.store.submit(spec))
+            assert created and row["state"] == "queued"
+            self.tasks.append(row["id"])
+
+        @precondition(lambda self: self.tasks)
+        @rule(i=st.integers(0, MAX_TASKS - 1))
+        def cancel(self, i: int) -> None:
+            tid = self.pick(i)
+            before = self.world().tasks[tid]["state"]
+            after = self.run(self.sched.cancel(tid, "operator"))["state"]
+            if before == S.QUEUED:
+                assert after == S.CANCELLED, f"cancel of a queued task left it {after}"
+            elif before in (S.ASSIGNED, S.PROVISIONING, S.RUNNING):
+                assert after == S.CANCELLING, f"cancel of a {before} task left it {after}"
+            else:
+                assert after == before, f"cancel of a {before} task moved it to {after}"
+
+        # ---- the scheduler -------------------------------------------------------------------------
+
+        @rule()
+        def dispatch(self) -> None:
+            before = self.world()
+            out = self.run(self.sched.dispatch_once())
+            queued = {tid for tid, t in before.tasks.items() if t["state"] == "queued"}
+            placed = [a[0] for a in out.assigned]
+            assert len(placed) == len(set(placed)) and set(placed) <= queued
+            assert out.lost_races == 0, "one dispatcher alone lost a race"
+
+        @rule()
+        def sweep(self) -> None:
+            self.run(self.sched.sweep())
+            check_nothing_overdue(self.world())
+
+        # ---- nodes ----------------------------------------------------------------------------------
+
+        @precondition(lambda self: self.tasks)
+        @rule(i=st.integers(0, MAX_TASKS - 1), kind=st.sampled_from(KINDS), code=st.sampled_from([0, 1, 137]),
+              signer=st.sampled_from(SIGNERS), other=st.integers(0, 2))  # fmt: skip
+        def node_event(self, i: int, kind: str, code: int, signer: str, other: int) -> None:
+            """A report applied exactly as the gateway applies it: read, decide, CAS with the token."""
+            tid = self.pick(i)
+            before = self.world()
+            row = before.tasks[tid]
+            atts = before.attempts.get(tid, [])
+            if not atts:
+                return  # nothing was ever assigned: no node holds a token for it
+            token, node = row["fencing_token"], row["node_id"] or atts[-1]["node_id"]
+            if signer == "stale":
+                older = [a for a in atts if a["fencing_token"] != row["fencing_token"]]
+                if older:
+                    a = older[other % len(older)]
+                    token, node = a["fencing_token"], a["node_id"]
+                else:
+                    token = token - 1
+            elif signer == "bogus":
+                token = token + 10_000
+            elif signer == "wrong_node":
+                others = [n for n in self.nodes if n != node]
+                node = others[other % len(others)]
+
+            f = facts(row)
+            step = policy.on_node_event(f, kind, code if kind == policy.EXITED else None, T)
+            done = self.run(
+                self.sched.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node)
+            )
+            after = self.world()
+            if signer != "current" or row["node_id"] is None:
+                assert done is None, f"{kind} signed {signer} (token {token}, node {node}) was accepted on a {f.state} task"
+                assert after.raw == before.raw, f"a refused {kind} ({signer}) changed the database"
+            else:
+                assert (done is not None) == (step is not None), f"{kind} on {f.state}: step {step}, result {done}"
+                if step is not None:
+                    assert after.tasks[tid]["state"] == step.to
+
+        @rule(n=st.integers(0, 2), how=st.sampled_from(["unreachable", "offline"]))
+        def node_goes_silent(self, n: int, how: str) -> None:
+            nid = self.nodes[n % len(self.nodes)]
+            ago = 2 * T.unreachable_after if how == "unreachable" else 10 * T.offline_after
+            self.run(self.sql("UPDATE nodes SET last_heartbeat_at = now() - make_interval(secs => $2) WHERE id = $1", nid, ago))
+
+        @rule(n=st.integers(0, 2))
+        def node_disconnects(self, n: int) -> None:
+            nid = self.nodes[n % len(self.nodes)]
+            session = self.world().nodes[nid]["session"]
+            assert self.store is not None
+            self.run(self.store.node_disconnected(nid, session))
+
+        @rule(n=st.integers(0, 2), slots=st.integers(1, 3), forgot=st.booleans())
+        def node_comes_back(self, n: int, slots: int, forgot: bool) -> None:
+            """A Hello again (perhaps offering fewer slots). If the node lost its state, the gateway's
+            reconcile applies the node-loss policy to what it no longer has and redelivers `assigned`."""
+            assert self.store is not None
+            nid = self.nodes[n % len(self.nodes)]
+            self.run(hello(self.store, nid, slots))
+            if not forgot:
+                return
+            for r in self.run(self.store.tasks_on_node(nid)):
+                if r["state"] == S.ASSIGNED:
+                    self.run(self.store.redeliver([r["fencing_token"]]))
+                    continue
+                row = self.run(self.store.get_task(r["id"]))
+                f = facts(row)
+                step = policy.on_node_loss(f, reasons.NODE_FORGOT)
+                done = self.run(self.sched.apply(r["id"], f.state, step, actor=f"node:{nid}",
+                                                 fencing_token=r["fencing_token"], node_id=nid))  # fmt: skip
+                assert (done is not None) == (step is not None), f"NODE_FORGOT on {f.state}: {step} → {done}"
+
+        # ---- time passes ----------------------------------------------------------------------------
+
+        @precondition(lambda self: self.tasks)
+        @rule(i=st.integers(0, MAX_TASKS - 1),
+              what=st.sampled_from(["accept_deadline", "lease_expires_at", "started_at", "cancel_requested_at"]),
+              then_sweep=st.booleans())  # fmt: skip
+        def deadline_passes(self, i: int, what: str, then_sweep: bool) -> None:
+            tid = self.pick(i)
+            # column names come from the fixed list above, never from data
+            self.run(self.sql(f"UPDATE tasks SET {what} = now() - interval '1 hour' WHERE id = $1 AND {what} IS NOT NULL", tid))
+            if then_sweep:
+                self.sweep()
+
+        # ---- after every step ---------------------------------------------------------------------
+
+        @invariant()
+        def stored_truth_is_consistent(self) -> None:
+            if self.store is not None:
+                check_invariants(self.world())
+
+    return Lifecycle
+
+
+def test_task_lifecycle_model(db_url: str) -> None:
+    run_state_machine_as_test(make_machine(db_url), settings=SETTINGS)
