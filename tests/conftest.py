@@ -20,7 +20,9 @@ from podium.store import Store
 from podium.store.embedded import EmbeddedPostgres
 
 PG15_URL = os.environ.get("PODIUM_TEST_PG15_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-TEMPLATE = "podium_test_template"
+# One template per test session: two sessions on one server (a developer's and CI's, or parallel
+# runs) must never drop each other's template.
+TEMPLATE = f"podium_test_template_{os.getpid()}"
 
 
 def _with_db(url: str, db: str) -> str:
@@ -82,6 +84,10 @@ class PgServer:
 
         asyncio.run(drop())
 
+    def drop_template(self) -> None:
+        if self._ready:
+            self.drop_database(f"x/{TEMPLATE}")
+
 
 @pytest.fixture(scope="session")
 def embedded_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgServer]:
@@ -92,7 +98,7 @@ def embedded_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgServer]:
 
 
 @pytest.fixture(scope="session")
-def pg15() -> PgServer:
+def pg15() -> Iterator[PgServer]:
     async def probe() -> str:
         conn = await asyncpg.connect(PG15_URL, timeout=5)
         try:
@@ -104,7 +110,9 @@ def pg15() -> PgServer:
         asyncio.run(probe())
     except (OSError, asyncpg.PostgresError) as e:
         pytest.fail(f"the PostgreSQL server at {PG15_URL} is not reachable ({e}); .ci/run starts it")
-    return PgServer("pg15", PG15_URL)
+    server = PgServer("pg15", PG15_URL)
+    yield server
+    server.drop_template()
 
 
 @pytest.fixture(params=["embedded", "pg15"])

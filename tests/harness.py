@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -17,6 +18,13 @@ from typing import Any, TypeVar
 import httpx
 
 T = TypeVar("T")
+
+# The tokens a server bootstrapped, by where to reach it: a test acts as its admin, and its agents
+# join with its join token. Replicas sharing one database share the tokens the first one made.
+ADMIN_TOKENS: dict[str, str] = {}  # API base URL → admin token
+JOIN_TOKENS: dict[str, str] = {}  # gateway address → join token
+_BY_DATABASE: dict[str, tuple[str, str]] = {}
+CA_FILES: dict[str, Path] = {}  # API base URL → the CA that signed its certificate
 
 
 def free_port() -> int:
@@ -100,7 +108,10 @@ class Proc:
 
 class Server(Proc):
     def __init__(self, tmp: Path, db_url: str | None, *, port: int | None = None, grpc_port: int | None = None,
-                 data_dir: Path | None = None, extra_env: dict[str, str] | None = None) -> None:  # fmt: skip
+                 data_dir: Path | None = None, extra_env: dict[str, str] | None = None,
+                 extra_args: list[str] | None = None, scheme: str = "http", ca_file: Path | None = None) -> None:  # fmt: skip
+        self.scheme = scheme
+        self.ca_file = ca_file
         self.port = port or free_port()
         self.grpc_port = grpc_port or free_port()
         env = base_env(**(extra_env or {}))
@@ -108,13 +119,15 @@ class Server(Proc):
             env["PODIUM_DATABASE_URL"] = db_url
         else:
             env.pop("PODIUM_DATABASE_URL", None)
+        self.data_dir = data_dir or tmp / "data"
+        self.db_key = db_url or f"embedded:{self.data_dir}"
         args = [sys.executable, "-m", "podium", "server", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-                "--data-dir", str(data_dir or tmp / "data")]  # fmt: skip
+                "--data-dir", str(self.data_dir), *(extra_args or [])]  # fmt: skip
         super().__init__(args, env, tmp / f"server-{self.port}.log")
 
     @property
     def api(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def grpc(self) -> str:
@@ -130,18 +143,33 @@ class Server(Proc):
         def ready() -> bool:
             if not self.alive():
                 raise AssertionError(f"server exited:\n{self.output()[-3000:]}")
-            with httpx.Client(timeout=2) as c:
+            verify = ssl.create_default_context(cafile=str(self.ca_file)) if self.ca_file else True
+            with httpx.Client(timeout=2, verify=verify) as c:
                 return c.get(f"{self.api}/healthz").status_code == 200
 
         try:
             wait_for(ready, timeout, what="the server to answer /healthz")
         except AssertionError as e:
             raise AssertionError(f"{e}\n--- server log ---\n{self.output()[-3000:]}") from None
+        admin, join = self.data_dir / "admin-token", self.data_dir / "join-token"
+        if admin.exists() and join.exists():
+            _BY_DATABASE[self.db_key] = (admin.read_text().strip(), join.read_text().strip())
+        if self.ca_file:
+            CA_FILES[self.api] = self.ca_file
+        tokens = _BY_DATABASE.get(self.db_key)
+        if tokens:
+            ADMIN_TOKENS[self.api] = tokens[0]
+            JOIN_TOKENS[self.grpc] = tokens[1]
+
+    @property
+    def admin_token(self) -> str:
+        return ADMIN_TOKENS[self.api]
 
 
 class Agent(Proc):
     def __init__(self, tmp: Path, servers: list[str], name: str, *, labels: dict[str, str] | None = None,
-                 slots: int = 4, cpu: str = "4", memory: str = "8Gi", extra_env: dict[str, str] | None = None) -> None:  # fmt: skip
+                 slots: int = 4, cpu: str = "4", memory: str = "8Gi", extra_env: dict[str, str] | None = None,
+                 extra_args: list[str] | None = None) -> None:  # fmt: skip
         self.name = name
         self.state_dir = tmp / f"agent-{name}"
         self.journal = tmp / f"journal-{name}.jsonl"
@@ -151,7 +179,12 @@ class Agent(Proc):
             args += ["--server", s]
         for k, v in (labels or {}).items():
             args += ["--label", f"{k}={v}"]
-        super().__init__(args, base_env(**(extra_env or {})), tmp / f"agent-{name}.log")
+        args += extra_args or []
+        env = base_env(**(extra_env or {}))
+        join = next((JOIN_TOKENS[s] for s in servers if s in JOIN_TOKENS), None)
+        if join and "PODIUM_JOIN_TOKEN" not in (extra_env or {}):
+            env["PODIUM_JOIN_TOKEN"] = join
+        super().__init__(args, env, tmp / f"agent-{name}.log")
 
     def node_id(self) -> str:
         return wait_for(lambda: (self.state_dir / "node-id").exists() and (self.state_dir / "node-id").read_text().strip(),
@@ -164,12 +197,22 @@ class Agent(Proc):
 
 
 class Api:
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, token: str | None = None, ca_file: Path | None = None) -> None:
         self.base = base
-        self.http = httpx.Client(base_url=base, timeout=30)
+        token = token or ADMIN_TOKENS.get(base)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        ca = ca_file or CA_FILES.get(base)
+        verify = ssl.create_default_context(cafile=str(ca)) if ca else True
+        self.http = httpx.Client(base_url=base, timeout=30, headers=headers, verify=verify)
 
     def close(self) -> None:
         self.http.close()
+
+    def __enter__(self) -> Api:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
     def submit(self, **spec: Any) -> dict[str, Any]:
         r = self.http.post("/v1/tasks", json=spec)
@@ -198,8 +241,14 @@ class Api:
         return wait_for(check, timeout, what=f"node {name} with {want}")
 
 
-def cli(addr: str, *args: str, timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = base_env(PODIUM_ADDR=addr)
+def cli(addr: str, *args: str, timeout: float = 120, input: str | None = None, token: str | None = None,
+        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    env = base_env(PODIUM_ADDR=addr, **(extra_env or {}))
+    tok = token if token is not None else ADMIN_TOKENS.get(addr)
+    if tok:
+        env["PODIUM_TOKEN"] = tok
+    else:
+        env.pop("PODIUM_TOKEN", None)
     return subprocess.run([sys.executable, "-m", "podium", *args], env=env, capture_output=True, text=True,
                           timeout=timeout, input=input)  # fmt: skip
 

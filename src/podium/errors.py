@@ -4,6 +4,8 @@
     ├── NotFound            — no such task / node
     ├── Conflict            — the request disagrees with what is stored (idempotency key reused, …)
     ├── InvalidRequest      — the input is wrong; the message says how to fix it
+    ├── Unauthorized        — no valid credential (401)
+    ├── Forbidden           — a valid credential that may not do this (403)
     ├── StoreUnavailable    — PostgreSQL cannot be reached; nothing was written
     └── EmbeddedDatabaseError — the embedded PostgreSQL would not start
 
@@ -30,6 +32,14 @@ class Conflict(PodiumError):
 
 class InvalidRequest(PodiumError):
     """The request is not valid."""
+
+
+class Unauthorized(PodiumError):
+    """A valid bearer token is required (Authorization: Bearer pdm_…)."""
+
+
+class Forbidden(PodiumError):
+    """This token's role may not do that."""
 
 
 class StoreUnavailable(PodiumError):

@@ -37,6 +37,7 @@ EXITED_NONZERO = "the task exited with a non-zero code"
 NO_ATTEMPTS_LEFT = "no attempts left"
 RETRYABLE_ERROR = "the node reported an error another node may not have"
 NODE_REVOKED = "the node was removed from the fleet"
+SECRET_MISSING = "a secret this task needs does not exist"
 
 #: Every reason a queued task can carry, in the order placement checks for them.
 QUEUED_REASONS = (

@@ -23,6 +23,8 @@ from podium.api.app import create_app
 from podium.gateway.service import Gateway
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.scheduler.service import Scheduler
+from podium.security.secretbox import SecretBox, load_key
+from podium.security.service import Security
 from podium.store import Store
 from podium.store.embedded import EmbeddedPostgres
 from podium.timing import Timing, timing_from_env
@@ -43,6 +45,9 @@ class ServerConfig:
     grpc_port: int = DEFAULT_GRPC_PORT
     server_id: str = ""
     placement_policy: str = "spread"
+    tls_cert: Path | None = None  # PEM; with tls_key, the API and the gateway speak TLS only
+    tls_key: Path | None = None
+    client_ca: Path | None = None  # PEM; agents must present a certificate it signed (mutual TLS)
 
 
 class LoopDied(Exception):
@@ -84,18 +89,32 @@ class PodiumServer:
         applied = await store.migrate()
         if applied:
             log.info("applied migrations: %s", ", ".join(applied))
+        security = Security(store, SecretBox(load_key(self.cfg.data_dir)))
+        await security.bootstrap(self.cfg.data_dir)
         scheduler = Scheduler(store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy)
-        gateway = Gateway(store, scheduler, self.timing, server_id=self.server_id)
+        gateway = Gateway(store, scheduler, self.timing, server_id=self.server_id, security=security)
 
         grpc_server = grpc.aio.server(options=[("grpc.keepalive_time_ms", 20000), ("grpc.so_reuseport", 0)])
         pb_grpc.add_AgentGatewayServicer_to_server(gateway, grpc_server)
-        bound = grpc_server.add_insecure_port(f"{self.cfg.grpc_host}:{self.cfg.grpc_port}")
+        address = f"{self.cfg.grpc_host}:{self.cfg.grpc_port}"
+        if self.cfg.tls_cert and self.cfg.tls_key:
+            creds = grpc.ssl_server_credentials(
+                [(self.cfg.tls_key.read_bytes(), self.cfg.tls_cert.read_bytes())],
+                root_certificates=self.cfg.client_ca.read_bytes() if self.cfg.client_ca else None,
+                require_client_auth=self.cfg.client_ca is not None,
+            )
+            bound = grpc_server.add_secure_port(address, creds)
+        else:
+            bound = grpc_server.add_insecure_port(address)
         if bound == 0:
             raise OSError(f"cannot listen for agents on {self.cfg.grpc_host}:{self.cfg.grpc_port}: the port is in use")
         await grpc_server.start()
 
-        app = create_app(store, scheduler)
-        ucfg = uvicorn.Config(app, host=self.cfg.host, port=self.cfg.port, log_level="warning", lifespan="off")
+        app = create_app(store, scheduler, security)
+        tls = {}
+        if self.cfg.tls_cert and self.cfg.tls_key:
+            tls = {"ssl_certfile": str(self.cfg.tls_cert), "ssl_keyfile": str(self.cfg.tls_key)}
+        ucfg = uvicorn.Config(app, host=self.cfg.host, port=self.cfg.port, log_level="warning", lifespan="off", **tls)
         api = uvicorn.Server(ucfg)
         api.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # we own the signals
 
@@ -109,8 +128,10 @@ class PodiumServer:
                     break
                 await asyncio.sleep(0.02)
             if not any(t.done() for t in tasks):
-                log.info("Podium server %s: API on http://%s:%d, agents on %s:%d",
-                         self.server_id, self.cfg.host, self.cfg.port, self.cfg.grpc_host, self.cfg.grpc_port)  # fmt: skip
+                scheme = "https" if tls else "http"
+                log.info("Podium server %s: API on %s://%s:%d, agents on %s:%d%s",
+                         self.server_id, scheme, self.cfg.host, self.cfg.port, self.cfg.grpc_host, self.cfg.grpc_port,
+                         "" if tls else " (no TLS: loopback use only)")  # fmt: skip
                 self.started.set()
             done, _ = await asyncio.wait(tasks | {stopper}, return_when=asyncio.FIRST_COMPLETED)
             died = [t for t in done if t is not stopper]

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,14 +17,15 @@ class Cluster:
         self.agents: list[Agent] = []
         self._api: Api | None = None
 
-    def server(self, **kw: object) -> Server:
-        s = Server(self.tmp, self.db_url, **kw).start()  # type: ignore[arg-type]
-        self.servers.append(s)
-        return s
+    def server(self, **kw: Any) -> Server:
+        s = Server(self.tmp, self.db_url, **kw)
+        self.servers.append(s)  # before starting: a server that fails to start is still stopped
+        return s.start()
 
-    def agent(self, name: str, servers: list[Server] | None = None, **kw: object) -> Agent:
-        a = Agent(self.tmp, [s.grpc for s in (servers or self.servers)], name, **kw).start()  # type: ignore[arg-type]
+    def agent(self, name: str, servers: list[Server] | None = None, **kw: Any) -> Agent:
+        a = Agent(self.tmp, [s.grpc for s in (servers or self.servers)], name, **kw)
         self.agents.append(a)
+        a.start()
         return a
 
     @property

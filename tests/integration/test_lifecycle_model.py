@@ -31,12 +31,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
-import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from podium import reasons
 from podium.scheduler import policy
@@ -49,21 +48,9 @@ from podium.timing import DEFAULT_TIMING
 S = TaskState
 T = DEFAULT_TIMING
 MAX_TASKS = 6
+STEPS = 60
 NODE_IDS = ("n1", "n2", "n3")
 GiB = 2**30
-
-SETTINGS = settings(
-    max_examples=50,
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
-    print_blob=True,
-)
-
-KINDS = (policy.PROVISIONING, policy.RUNNING, policy.EXITED, policy.FAILED_RETRYABLE, policy.NOT_RUNNING)
-# how a report is signed: the task's current token from its own node, an older token of the task,
-# a token that never existed, or the current token from a node that does not hold the attempt
-SIGNERS = ("current", "current", "current", "stale", "bogus", "wrong_node")
 
 
 def _rows(records: list[Any]) -> list[dict[str, Any]]:
@@ -216,197 +203,322 @@ async def hello(store: Store, node_id: str, slots: int, cpu: int = 2000) -> Any:
     return row
 
 
-def make_machine(db_url: str) -> type[RuleBasedStateMachine]:
-    class Lifecycle(RuleBasedStateMachine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.loop = asyncio.new_event_loop()
-            self.store: Store | None = None
-            self.store = self.run(Store.connect(db_url, min_size=1, max_size=3))
-            self.run(self._truncate())
-            self.sched = Scheduler(self.store, T, server_id="model")
-            self.tasks: list[uuid.UUID] = []
-            self.nodes: list[str] = []
-            self.swept_cleanly = False
+# ---- the actions ------------------------------------------------------------------------------------
+# Each is a small value that prints as what it does, so a failing example reads as a script. Tasks and
+# nodes are named by index, taken modulo how many exist when the action runs.
 
-        def run(self, coro: Any) -> Any:
-            return self.loop.run_until_complete(coro)
 
-        async def _truncate(self) -> None:
-            assert self.store is not None
+@dataclass(frozen=True)
+class Submit:
+    cpu: int
+    max_attempts: int
+    requeue: bool
+    timeout: float | None
+
+    def __repr__(self) -> str:
+        return f"Submit(cpu={self.cpu}m, max_attempts={self.max_attempts}, requeue={self.requeue}, timeout={self.timeout})"
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    def __repr__(self) -> str:
+        return "Dispatch()"
+
+
+@dataclass(frozen=True)
+class Sweep:
+    def __repr__(self) -> str:
+        return "Sweep()"
+
+
+@dataclass(frozen=True)
+class Report:
+    task: int
+    kind: str
+    code: int
+    signer: str  # current | stale | bogus | wrong_node
+    other: int  # which older attempt / which other node
+
+    def __repr__(self) -> str:
+        code = f"({self.code})" if self.kind == policy.EXITED else ""
+        return f"Report(t{self.task}, {self.kind}{code}, signed={self.signer}/{self.other})"
+
+
+@dataclass(frozen=True)
+class Cancel:
+    task: int
+
+    def __repr__(self) -> str:
+        return f"Cancel(t{self.task})"
+
+
+@dataclass(frozen=True)
+class DeadlinePasses:
+    task: int
+    column: str  # one of DEADLINE_COLUMNS, never data
+    then_sweep: bool
+
+    def __repr__(self) -> str:
+        return f"DeadlinePasses(t{self.task}, {self.column}{', then Sweep' if self.then_sweep else ''})"
+
+
+@dataclass(frozen=True)
+class NodeTrouble:
+    node: int
+    how: str  # unreachable | offline | disconnect
+
+    def __repr__(self) -> str:
+        return f"NodeTrouble(n{self.node}, {self.how})"
+
+
+@dataclass(frozen=True)
+class NodeBack:
+    node: int
+    slots: int
+    forgot: bool
+
+    def __repr__(self) -> str:
+        return f"NodeBack(n{self.node}, slots={self.slots}{', forgot its tasks' if self.forgot else ''})"
+
+
+DEADLINE_COLUMNS = ("accept_deadline", "lease_expires_at", "started_at", "cancel_requested_at")
+KINDS = (policy.PROVISIONING, policy.RUNNING, policy.EXITED, policy.FAILED_RETRYABLE, policy.NOT_RUNNING)
+# how a report is signed: the task's current token from its own node (most of the time), an older
+# token of the task, a token that never existed, or the current token from a node that does not hold it
+SIGNERS = ("current", "current", "current", "current", "stale", "bogus", "wrong_node")
+
+_task = st.integers(0, MAX_TASKS - 1)
+_node = st.integers(0, len(NODE_IDS) - 1)
+_submit = st.builds(Submit, st.sampled_from([250, 1000, 1500, 2500]), st.integers(1, 3), st.booleans(),
+                    st.sampled_from([None, 600.0]))  # fmt: skip
+_report = st.builds(Report, _task, st.sampled_from(KINDS), st.sampled_from([0, 1, 137]), st.sampled_from(SIGNERS),
+                    st.integers(0, 2))  # fmt: skip
+_deadline = st.builds(DeadlinePasses, _task, st.sampled_from(DEADLINE_COLUMNS), st.booleans())
+# How often each happening is drawn (by repetition: sampled_from is near-uniform over positions and
+# shrinks towards the first, a dispatch tick, the most harmless thing to happen). Reports are what
+# moves tasks along; node trouble is rarer than recovery.
+WEIGHTED = (
+    ["dispatch"] * 3 + ["submit"] * 3 + ["report"] * 9 + ["cancel"] + ["sweep"] * 2 + ["deadline"] * 2
+    + ["trouble"] + ["back"]
+)  # fmt: skip
+PARAMS: dict[str, st.SearchStrategy[Any]] = {
+    "dispatch": st.just(Dispatch()),
+    "submit": _submit,
+    "report": _report,
+    "cancel": st.builds(Cancel, _task),
+    "sweep": st.just(Sweep()),
+    "deadline": _deadline,
+    "trouble": st.builds(NodeTrouble, _node, st.sampled_from(["unreachable", "offline", "disconnect"])),
+    "back": st.builds(NodeBack, _node, st.integers(1, 3), st.booleans()),
+}
+ACTION = st.sampled_from(WEIGHTED).flatmap(PARAMS.__getitem__)
+# long enough to reach deep states: hypothesis's lists otherwise average a handful of elements
+PROGRAM = st.lists(ACTION, min_size=STEPS // 3, max_size=STEPS)
+FLEET = st.lists(st.integers(1, 3), min_size=2, max_size=3)  # slots per node
+
+
+class Model:
+    """One example: a fresh Store on the test's database, emptied, its own event loop."""
+
+    def __init__(self, db_url: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.db_url = db_url
+        self.loop = loop
+        self.store: Store = self.run(Store.connect(db_url, min_size=1, max_size=3))
+        self.sched = Scheduler(self.store, T, server_id="model")
+        self.tasks: list[uuid.UUID] = []
+        self.nodes: list[str] = []
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def close(self) -> None:
+        self.run(self.store.close())
+
+    def world(self) -> World:
+        return self.run(read_world(self.store))
+
+    def sql(self, query: str, *args: Any) -> None:
+        async def go() -> None:
             async with self.store.pool.acquire() as c:
-                await c.execute("TRUNCATE tasks, attempts, task_events, log_chunks, nodes CASCADE")
+                await c.execute(query, *args)
 
-        def teardown(self) -> None:
-            try:
-                if self.store is not None:
-                    self.run(self.store.close())
-            finally:
-                self.loop.close()
+        self.run(go())
 
-        def world(self) -> World:
-            assert self.store is not None
-            return self.run(read_world(self.store))
+    def task(self, i: int) -> uuid.UUID | None:
+        return self.tasks[i % len(self.tasks)] if self.tasks else None
 
-        async def sql(self, query: str, *args: Any) -> str:
-            assert self.store is not None
-            async with self.store.pool.acquire() as c:
-                return await c.execute(query, *args)
+    def node(self, i: int) -> str:
+        return self.nodes[i % len(self.nodes)]
 
-        def pick(self, i: int) -> uuid.UUID:
-            return self.tasks[i % len(self.tasks)]
+    # ---- setup -------------------------------------------------------------------------------------
 
-        # ---- the fleet -----------------------------------------------------------------------------
+    def start(self, slots: list[int]) -> None:
+        self.sql("TRUNCATE tasks, attempts, task_events, log_chunks, nodes CASCADE")
+        for nid, n in zip(NODE_IDS, slots):
+            self.run(hello(self.store, nid, n))
+            self.nodes.append(nid)
 
-        @initialize(slots=st.lists(st.integers(1, 3), min_size=2, max_size=3))
-        def fleet(self, slots: list[int]) -> None:
-            assert self.store is not None
-            for nid, n in zip(NODE_IDS, slots):
-                self.run(hello(self.store, nid, n))
-                self.nodes.append(nid)
+    # ---- one action, with its own promise checked ---------------------------------------------
 
-        # ---- operators ---------------------------------------------------------------------------
+    def do(self, a: Any) -> str:
+        match a:
+            case Submit():
+                return self.submit(a)
+            case Dispatch():
+                return self.dispatch()
+            case Sweep():
+                return self.sweep()
+            case Report():
+                return self.report(a)
+            case Cancel():
+                return self.cancel(a)
+            case DeadlinePasses():
+                return self.deadline_passes(a)
+            case NodeTrouble():
+                return self.node_trouble(a)
+            case NodeBack():
+                return self.node_back(a)
+        raise AssertionError(f"unknown action {a!r}")
 
-        @precondition(lambda self: len(self.tasks) < MAX_TASKS)
-        @rule(
-            cpu=st.sampled_from([250, 1000, 1500, 2500]),
-            max_attempts=st.integers(1, 3),
-            requeue=st.booleans(),
-            timeout=st.sampled_from([None, 600.0]),
-        )
-        def submit(self, cpu: int, max_attempts: int, requeue: bool, timeout: float | None) -> None:
-            assert self.store is not None
-            spec = TaskSpec(command=["true"], resources={"cpu": f"{cpu}m", "memory": "64Mi"}, max_attempts=max_attempts,
-                            requeue_on_node_loss=requeue, timeout=timeout)  # fmt: skip
-            row, created = self.run(self.store.submit(spec))
-            assert created and row["state"] == "queued"
-            self.tasks.append(row["id"])
+    def submit(self, a: Submit) -> str:
+        if len(self.tasks) >= MAX_TASKS:
+            return "skipped: enough tasks"
+        spec = TaskSpec(command=["true"], resources={"cpu": f"{a.cpu}m", "memory": "64Mi"}, max_attempts=a.max_attempts,
+                        requeue_on_node_loss=a.requeue, timeout=a.timeout)  # fmt: skip
+        row, created = self.run(self.store.submit(spec))
+        assert created and row["state"] == "queued"
+        self.tasks.append(row["id"])
+        return f"t{len(self.tasks) - 1} = {row['id']}"
 
-        @precondition(lambda self: self.tasks)
-        @rule(i=st.integers(0, MAX_TASKS - 1))
-        def cancel(self, i: int) -> None:
-            tid = self.pick(i)
-            before = self.world().tasks[tid]["state"]
-            after = self.run(self.sched.cancel(tid, "operator"))["state"]
-            if before == S.QUEUED:
-                assert after == S.CANCELLED, f"cancel of a queued task left it {after}"
-            elif before in (S.ASSIGNED, S.PROVISIONING, S.RUNNING):
-                assert after == S.CANCELLING, f"cancel of a {before} task left it {after}"
+    def dispatch(self) -> str:
+        before = self.world()
+        out = self.run(self.sched.dispatch_once())
+        queued = {tid for tid, t in before.tasks.items() if t["state"] == "queued"}
+        placed = [x[0] for x in out.assigned]
+        assert len(placed) == len(set(placed)) and set(placed) <= queued, f"placed {placed}, queued were {queued}"
+        assert out.lost_races == 0, "a dispatcher alone lost a race for capacity"
+        return f"assigned {[(self.tasks.index(t), n, tok) for t, n, tok in out.assigned]}"
+
+    def sweep(self) -> str:
+        self.run(self.sched.sweep())
+        check_nothing_overdue(self.world())
+        return "swept"
+
+    def report(self, a: Report) -> str:
+        """A node's report applied exactly as the gateway applies it: read the task, ask the policy,
+        compare-and-set with the token (and node) the report carries."""
+        before = self.world()
+        # only a task that was placed at least once has a token some node could sign with; the ones on
+        # a node now are where reports matter, so they are picked when there are any
+        placed = [t for t in self.tasks if before.attempts.get(t)]
+        on_node = [t for t in placed if before.tasks[t]["state"] in ON_NODE]
+        if not placed:
+            return "skipped: no task was ever placed"
+        tid = (on_node or placed)[a.task % len(on_node or placed)]
+        row = before.tasks[tid]
+        atts = before.attempts[tid]
+        token, node = row["fencing_token"], row["node_id"] or atts[-1]["node_id"]
+        if a.signer == "stale":
+            older = [x for x in atts if x["fencing_token"] != row["fencing_token"]]
+            if older:
+                x = older[a.other % len(older)]
+                token, node = x["fencing_token"], x["node_id"]
             else:
-                assert after == before, f"cancel of a {before} task moved it to {after}"
+                token -= 1
+        elif a.signer == "bogus":
+            token += 10_000
+        elif a.signer == "wrong_node":
+            others = [n for n in self.nodes if n != node]
+            node = others[a.other % len(others)]
+        f = facts(row)
+        step = policy.on_node_event(f, a.kind, a.code if a.kind == policy.EXITED else None, T)
+        done = self.run(self.sched.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node))
+        after = self.world()
+        if a.signer != "current" or row["node_id"] is None:
+            assert done is None, f"{a!r} (token {token} from {node}) was accepted on a {f.state} task"
+            assert after.raw == before.raw, f"a refused {a!r} changed the database"
+        else:
+            assert (done is not None) == (step is not None), f"{a!r} on a {f.state} task: step {step}, result {done}"
+            if step is not None:
+                assert after.tasks[tid]["state"] == step.to
+        return f"{f.state} → {after.tasks[tid]['state']} (token {token} from {node}{'' if done else ', refused/no-op'})"
 
-        # ---- the scheduler -------------------------------------------------------------------------
+    def cancel(self, a: Cancel) -> str:
+        tid = self.task(a.task)
+        if tid is None:
+            return "skipped: no task"
+        before = TaskState(self.world().tasks[tid]["state"])
+        after = TaskState(self.run(self.sched.cancel(tid, "operator"))["state"])
+        if before == S.QUEUED:
+            assert after == S.CANCELLED, f"cancelling a queued task left it {after}"
+        elif before in (S.ASSIGNED, S.PROVISIONING, S.RUNNING):
+            assert after == S.CANCELLING, f"cancelling a {before} task left it {after}"
+        else:
+            assert after == before, f"cancelling a {before} task moved it to {after}"
+        return f"{before} → {after}"
 
-        @rule()
-        def dispatch(self) -> None:
-            before = self.world()
-            out = self.run(self.sched.dispatch_once())
-            queued = {tid for tid, t in before.tasks.items() if t["state"] == "queued"}
-            placed = [a[0] for a in out.assigned]
-            assert len(placed) == len(set(placed)) and set(placed) <= queued
-            assert out.lost_races == 0, "one dispatcher alone lost a race"
+    def deadline_passes(self, a: DeadlinePasses) -> str:
+        # only a time some task has: moving a NULL would make the step a no-op. The column asked for
+        # if any task has it, else the first one any task has.
+        w = self.world()
+        having = {c: [t for t in self.tasks if w.tasks[t][c] is not None] for c in DEADLINE_COLUMNS}
+        column = next((c for c in (a.column, *DEADLINE_COLUMNS) if having[c]), None)
+        if column is None:
+            return "skipped: no task has a deadline"
+        tid = having[column][a.task % len(having[column])]
+        self.sql(f"UPDATE tasks SET {column} = now() - interval '1 hour' WHERE id = $1", tid)  # a fixed name, never data
+        return f"t{self.tasks.index(tid)}.{column} moved an hour back" + ("; " + self.sweep() if a.then_sweep else "")
 
-        @rule()
-        def sweep(self) -> None:
-            self.run(self.sched.sweep())
-            check_nothing_overdue(self.world())
+    def node_trouble(self, a: NodeTrouble) -> str:
+        nid = self.node(a.node)
+        if a.how == "disconnect":
+            self.run(self.store.node_disconnected(nid, self.world().nodes[nid]["session"]))
+        else:
+            ago = 2 * T.unreachable_after if a.how == "unreachable" else 10 * T.offline_after
+            self.sql("UPDATE nodes SET last_heartbeat_at = now() - make_interval(secs => $2) WHERE id = $1", nid, ago)
+        return nid
 
-        # ---- nodes ----------------------------------------------------------------------------------
-
-        @precondition(lambda self: self.tasks)
-        @rule(i=st.integers(0, MAX_TASKS - 1), kind=st.sampled_from(KINDS), code=st.sampled_from([0, 1, 137]),
-              signer=st.sampled_from(SIGNERS), other=st.integers(0, 2))  # fmt: skip
-        def node_event(self, i: int, kind: str, code: int, signer: str, other: int) -> None:
-            """A report applied exactly as the gateway applies it: read, decide, CAS with the token."""
-            tid = self.pick(i)
-            before = self.world()
-            row = before.tasks[tid]
-            atts = before.attempts.get(tid, [])
-            if not atts:
-                return  # nothing was ever assigned: no node holds a token for it
-            token, node = row["fencing_token"], row["node_id"] or atts[-1]["node_id"]
-            if signer == "stale":
-                older = [a for a in atts if a["fencing_token"] != row["fencing_token"]]
-                if older:
-                    a = older[other % len(older)]
-                    token, node = a["fencing_token"], a["node_id"]
-                else:
-                    token = token - 1
-            elif signer == "bogus":
-                token = token + 10_000
-            elif signer == "wrong_node":
-                others = [n for n in self.nodes if n != node]
-                node = others[other % len(others)]
-
-            f = facts(row)
-            step = policy.on_node_event(f, kind, code if kind == policy.EXITED else None, T)
-            done = self.run(
-                self.sched.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node)
-            )
-            after = self.world()
-            if signer != "current" or row["node_id"] is None:
-                assert done is None, f"{kind} signed {signer} (token {token}, node {node}) was accepted on a {f.state} task"
-                assert after.raw == before.raw, f"a refused {kind} ({signer}) changed the database"
-            else:
-                assert (done is not None) == (step is not None), f"{kind} on {f.state}: step {step}, result {done}"
-                if step is not None:
-                    assert after.tasks[tid]["state"] == step.to
-
-        @rule(n=st.integers(0, 2), how=st.sampled_from(["unreachable", "offline"]))
-        def node_goes_silent(self, n: int, how: str) -> None:
-            nid = self.nodes[n % len(self.nodes)]
-            ago = 2 * T.unreachable_after if how == "unreachable" else 10 * T.offline_after
-            self.run(self.sql("UPDATE nodes SET last_heartbeat_at = now() - make_interval(secs => $2) WHERE id = $1", nid, ago))
-
-        @rule(n=st.integers(0, 2))
-        def node_disconnects(self, n: int) -> None:
-            nid = self.nodes[n % len(self.nodes)]
-            session = self.world().nodes[nid]["session"]
-            assert self.store is not None
-            self.run(self.store.node_disconnected(nid, session))
-
-        @rule(n=st.integers(0, 2), slots=st.integers(1, 3), forgot=st.booleans())
-        def node_comes_back(self, n: int, slots: int, forgot: bool) -> None:
-            """A Hello again (perhaps offering fewer slots). If the node lost its state, the gateway's
-            reconcile applies the node-loss policy to what it no longer has and redelivers `assigned`."""
-            assert self.store is not None
-            nid = self.nodes[n % len(self.nodes)]
-            self.run(hello(self.store, nid, slots))
-            if not forgot:
-                return
-            for r in self.run(self.store.tasks_on_node(nid)):
-                if r["state"] == S.ASSIGNED:
-                    self.run(self.store.redeliver([r["fencing_token"]]))
-                    continue
-                row = self.run(self.store.get_task(r["id"]))
-                f = facts(row)
-                step = policy.on_node_loss(f, reasons.NODE_FORGOT)
-                done = self.run(self.sched.apply(r["id"], f.state, step, actor=f"node:{nid}",
-                                                 fencing_token=r["fencing_token"], node_id=nid))  # fmt: skip
-                assert (done is not None) == (step is not None), f"NODE_FORGOT on {f.state}: {step} → {done}"
-
-        # ---- time passes ----------------------------------------------------------------------------
-
-        @precondition(lambda self: self.tasks)
-        @rule(i=st.integers(0, MAX_TASKS - 1),
-              what=st.sampled_from(["accept_deadline", "lease_expires_at", "started_at", "cancel_requested_at"]),
-              then_sweep=st.booleans())  # fmt: skip
-        def deadline_passes(self, i: int, what: str, then_sweep: bool) -> None:
-            tid = self.pick(i)
-            # column names come from the fixed list above, never from data
-            self.run(self.sql(f"UPDATE tasks SET {what} = now() - interval '1 hour' WHERE id = $1 AND {what} IS NOT NULL", tid))
-            if then_sweep:
-                self.sweep()
-
-        # ---- after every step ---------------------------------------------------------------------
-
-        @invariant()
-        def stored_truth_is_consistent(self) -> None:
-            if self.store is not None:
-                check_invariants(self.world())
-
-    return Lifecycle
+    def node_back(self, a: NodeBack) -> str:
+        """A Hello again, perhaps offering fewer slots. A node that lost its state reports nothing: the
+        gateway's reconcile then redelivers what is `assigned` and applies the node-loss policy to the rest."""
+        nid = self.node(a.node)
+        self.run(hello(self.store, nid, a.slots))
+        if not a.forgot:
+            return nid
+        for r in self.run(self.store.tasks_on_node(nid)):
+            if r["state"] == S.ASSIGNED:
+                self.run(self.store.redeliver([r["fencing_token"]]))
+                continue
+            f = facts(self.run(self.store.get_task(r["id"])))
+            step = policy.on_node_loss(f, reasons.NODE_FORGOT)
+            done = self.run(self.sched.apply(r["id"], f.state, step, actor=f"node:{nid}",
+                                             fencing_token=r["fencing_token"], node_id=nid))  # fmt: skip
+            assert (done is not None) == (step is not None), f"NODE_FORGOT on a {f.state} task: step {step}, result {done}"
+        return nid
 
 
-def test_task_lifecycle_model(db_url: str) -> None:
-    run_state_machine_as_test(make_machine(db_url), settings=SETTINGS)
+def run_program(db_url: str, slots: list[int], program: list[Any]) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        model = Model(db_url, loop)
+        try:
+            model.start(slots)
+            check_invariants(model.world())
+            for i, action in enumerate(program):
+                outcome = model.do(action)
+                note(f"{i:2d}. {action!r}: {outcome}")
+                check_invariants(model.world())
+        finally:
+            model.close()
+    finally:
+        loop.close()
+
+
+@settings(
+    max_examples=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(slots=FLEET, program=PROGRAM)
+def test_task_lifecycle_model(db_url: str, slots: list[int], program: list[Any]) -> None:
+    run_program(db_url, slots, program)

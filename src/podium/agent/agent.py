@@ -25,6 +25,8 @@ import grpc
 from podium import __version__
 from podium.agent.fence import FenceKeeper
 from podium.agent.process_backend import ProcessRun
+from podium.security.masking import Masker
+from podium.security.secretbox import write_private
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.timing import Timing
@@ -52,7 +54,11 @@ class AgentConfig:
     capabilities: list[str] = field(default_factory=list)
     artifacts: list[str] = field(default_factory=list)
     gpu_indexes: list[int] = field(default_factory=list)
-    credential: str = ""
+    credential: str = ""  # a join token; once enrolled, the node credential in state_dir wins
+    ca_file: Path | None = None  # verify the server with this CA (implies TLS)
+    tls: bool = False  # TLS with the system's CAs
+    client_cert: Path | None = None  # mutual TLS
+    client_key: Path | None = None
     journal: Path | None = None  # ground truth: what this agent actually started and stopped
     drop_assigns: bool = False  # for fault tests: a node that never accepts
     provision_delay: float = 0.0  # for fault tests: a provisioning step that takes this long
@@ -70,6 +76,11 @@ class Attempt:
     seq: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     cancel_requested: bool = False
     runner: asyncio.Task | None = None
+    masker: Masker = field(default_factory=lambda: Masker([]))
+
+
+class NodeRemoved(Exception):
+    """The server refused this node for good (removed, or its credential is not accepted)."""
 
 
 class Agent:
@@ -129,6 +140,8 @@ class Agent:
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                     log.error("server %s refused this node: %s", server, e.details())
+                    if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                        raise NodeRemoved(e.details() or "refused") from None
                 else:
                     log.warning("stream to %s ended: %s %s", server, e.code().name, e.details())
             except (OSError, asyncio.TimeoutError) as e:
@@ -144,10 +157,30 @@ class Agent:
             await asyncio.sleep(delay)
             backoff = min(BACKOFF_MAX, backoff * 2)
 
+    @property
+    def _credential_path(self) -> Path:
+        return self.cfg.state_dir / "credential"
+
+    def _credential(self) -> str:
+        if self._credential_path.exists():
+            return self._credential_path.read_text().strip()
+        return self.cfg.credential
+
+    def _channel(self, server: str) -> grpc.aio.Channel:
+        c = self.cfg
+        if not (c.tls or c.ca_file):
+            return grpc.aio.insecure_channel(server)
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=c.ca_file.read_bytes() if c.ca_file else None,
+            private_key=c.client_key.read_bytes() if c.client_key else None,
+            certificate_chain=c.client_cert.read_bytes() if c.client_cert else None,
+        )
+        return grpc.aio.secure_channel(server, creds)
+
     def _hello(self) -> pb.AgentMessage:
         c = self.cfg
         return pb.AgentMessage(hello=pb.Hello(
-            node_id=self.node_id, name=c.name, credential=c.credential, labels=c.labels,
+            node_id=self.node_id, name=c.name, credential=self._credential(), labels=c.labels,
             capacity=pb.Resources(cpu_millis=c.cpu_millis, memory_bytes=c.memory_bytes, disk_bytes=c.disk_bytes,
                                   gpus=len(c.gpu_indexes), slots=c.slots),
             backends=["process"], pool=c.pool, arch=c.arch, capabilities=c.capabilities, artifacts=c.artifacts,
@@ -164,7 +197,7 @@ class Agent:
             while True:
                 yield await outq.get()
 
-        async with grpc.aio.insecure_channel(server) as channel:
+        async with self._channel(server) as channel:
             stub = pb_grpc.AgentGatewayStub(channel)
             hello_sent = time.monotonic()
             call = stub.Connect(requests())
@@ -175,6 +208,11 @@ class Agent:
             self.heartbeat_seconds = w.heartbeat_seconds or self.heartbeat_seconds
             self.kill_grace = w.kill_grace_seconds or self.kill_grace
             self.fence_after = w.fence_after_seconds or self.fence_after
+            if w.node_credential:
+                # enrolled now: from here on this node proves itself with its own credential
+                self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
+                write_private(self._credential_path, (w.node_credential + "\n").encode())
+                log.info("enrolled as %s; credential kept in %s", self.node_id, self._credential_path)
             # the Hello was recorded as a heartbeat: the lease runs from when it was sent
             self.fence.renew(hello_sent + self.fence_after)
             log.info("connected to %s (server %s) as %s", server, w.server_id, self.node_id)
@@ -239,6 +277,7 @@ class Agent:
         if asg.fencing_token in self.attempts:
             return  # a redelivery of what is already running
         a = Attempt(asg.task_id, asg.fencing_token, asg.attempt, json.loads(asg.spec_json))
+        a.masker = Masker([s.value for s in asg.secrets] + [r.password for r in asg.registries])
         self.attempts[a.token] = a
         env = {s.env: s.value for s in asg.secrets}
         a.runner = asyncio.get_running_loop().create_task(
@@ -293,6 +332,8 @@ class Agent:
             if a.cancel_requested:
                 asyncio.get_running_loop().create_task(run.stop(self.kill_grace))
             code = await run.wait(lambda stream, data: self._output(a, stream, data))
+            for stream in ("stdout", "stderr"):
+                await self._emit(a, stream, a.masker.flush(stream))
             ended = time.monotonic()
             self.fence.remove(run.pid)
             self._journal(ev="stop", task=a.task_id, token=a.token, code=code)
@@ -313,6 +354,12 @@ class Agent:
                 shutil.rmtree(workdir)
 
     async def _output(self, a: Attempt, stream: str, data: bytes) -> None:
+        # no secret value this task received leaves the node in its logs, whole or split
+        await self._emit(a, stream, a.masker.feed(stream, data))
+
+    async def _emit(self, a: Attempt, stream: str, data: bytes) -> None:
+        if not data:
+            return
         seq = a.seq[stream]
         a.seq[stream] = seq + 1
         self._send(pb.AgentMessage(log=pb.LogChunk(

@@ -10,18 +10,21 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from podium import __version__
 from podium.api.models import (
-    ErrorOut, ExplainOut, LabelsIn, LogChunkOut, LogsOut, NamedSpecOut, NodeOut, SubmitNamedIn, SubmitResponse,
+    AuditOut, ErrorOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
 )  # fmt: skip
-from podium.errors import Conflict, InvalidRequest, NotFound, StoreUnavailable
+from podium.errors import Conflict, Forbidden, InvalidRequest, NotFound, StoreUnavailable, Unauthorized
+from podium.security.service import REGISTRY_PREFIX, Principal, Security, validate_registry_host
+from podium.security.tokens import Role
 from podium.scheduler.service import Scheduler
 from podium.spec import SubmitRequest, TaskSpec, validate_name
 from podium.states import TERMINAL, TaskState
@@ -29,7 +32,9 @@ from podium.store import Store
 
 MAX_BODY = 1024 * 1024
 FOLLOW_POLL = 0.1  # seconds between reads while following logs
-_ERRORS = {404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 422: {"model": ErrorOut}, 503: {"model": ErrorOut}}
+_ERRORS = {
+    code: {"model": ErrorOut} for code in (401, 403, 404, 409, 413, 422, 503)
+}
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -60,12 +65,35 @@ def parse_task_id(task_id: str) -> uuid.UUID:
         raise InvalidRequest(f"{task_id!r} is not a task id; task ids are UUIDs like 3f2a…") from None
 
 
-def create_app(store: Store, scheduler: Scheduler) -> FastAPI:
+_bearer = HTTPBearer(auto_error=False, description="an operator token: pdm_<id>.<secret>")
+
+
+def _needs(role: Role) -> Any:
+    async def check(request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+        header = f"{cred.scheme} {cred.credentials}" if cred is not None else None
+        security: Security = request.app.state.security
+        return await security.authenticate(header, role)
+
+    return Depends(check)
+
+
+# Module-level so FastAPI can resolve them from the handlers' (string) annotations.
+Viewer = Annotated[Principal, _needs(Role.VIEWER)]
+Operator = Annotated[Principal, _needs(Role.OPERATOR)]
+Admin = Annotated[Principal, _needs(Role.ADMIN)]
+
+
+def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAPI:
     app = FastAPI(
         title="Podium",
         version=__version__,
         description="A control plane that runs work on a fleet of machines and tells the truth about it.",
     )
+
+    app.state.security = security
+
+    async def audit(who: Principal, action: str, target: str | None, **detail: Any) -> None:
+        await store.audit(who.actor, action, target, detail)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_r: Request, exc: RequestValidationError) -> JSONResponse:
@@ -82,6 +110,14 @@ def create_app(store: Store, scheduler: Scheduler) -> FastAPI:
     @app.exception_handler(Conflict)
     async def _cf(_r: Request, exc: Conflict) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=409)
+
+    @app.exception_handler(Unauthorized)
+    async def _unauth(_r: Request, exc: Unauthorized) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(Forbidden)
+    async def _forbidden(_r: Request, exc: Forbidden) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=403)
 
     @app.exception_handler(StoreUnavailable)
     async def _su(_r: Request, exc: StoreUnavailable) -> JSONResponse:
@@ -103,18 +139,27 @@ def create_app(store: Store, scheduler: Scheduler) -> FastAPI:
         return "ok"
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> PlainTextResponse:
+    async def metrics(_who: Viewer) -> PlainTextResponse:
         return PlainTextResponse(generate_latest().decode(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/tasks", response_model=SubmitResponse, status_code=201, responses=_ERRORS)
-    async def submit(body: SubmitRequest) -> Any:
+    async def submit(body: SubmitRequest, who: Operator) -> Any:
         """Submit a task. With an `idempotency_key` already used, returns that task (200) instead."""
-        row, created = await store.submit(body.task_spec(), idempotency_key=body.idempotency_key, actor="api")
+        missing = await security.missing_secrets([r.name for r in body.secrets])
+        if missing:
+            raise InvalidRequest(
+                f"secrets: {', '.join(repr(m) for m in missing)} do{'es' if len(missing) == 1 else ''} not exist; "
+                "create them with `podium secret set NAME` first"
+            )
+        row, created = await store.submit(body.task_spec(), idempotency_key=body.idempotency_key, actor=who.actor)
+        if created:
+            await audit(who, "task.submit", str(row["id"]), name=row["name"])
         resp = SubmitResponse(task=task_out(row), created=created)
         return JSONResponse(json.loads(resp.model_dump_json()), status_code=201 if created else 200)
 
     @app.get("/v1/tasks", response_model=list[TaskOut], responses=_ERRORS)
     async def list_tasks(
+        _who: Viewer,
         state: Annotated[TaskState | None, Query(description="only tasks in this state")] = None,
         node: Annotated[str | None, Query(max_length=128)] = None,
         name: Annotated[str | None, Query(max_length=128)] = None,
@@ -124,21 +169,25 @@ def create_app(store: Store, scheduler: Scheduler) -> FastAPI:
         return [task_out(r) for r in rows]
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskDetail, responses=_ERRORS)
-    async def get_task(task_id: str) -> TaskDetail:
+    async def get_task(task_id: str, _who: Viewer) -> TaskDetail:
         task, attempts, events = await store.task_detail(parse_task_id(task_id))
         return TaskDetail(
             **task_out(task).model_dump(), attempt_list=[attempt_out(a) for a in attempts], events=[event_out(e) for e in events]
         )
 
     @app.post("/v1/tasks/{task_id}/cancel", response_model=TaskOut, responses=_ERRORS)
-    async def cancel(task_id: str) -> TaskOut:
+    async def cancel(task_id: str, who: Operator) -> TaskOut:
         """Cancel a task: a queued one ends at once, one on a node is stopped there (SIGTERM, then
         SIGKILL after the grace); a task already ended is returned unchanged."""
-        return task_out(await scheduler.cancel(parse_task_id(task_id), actor="api"))
+        tid = parse_task_id(task_id)
+        row = await scheduler.cancel(tid, actor=who.actor)
+        await audit(who, "task.cancel", str(tid), state=row["state"])
+        return task_out(row)
 
     @app.get("/v1/tasks/{task_id}/logs", response_model=LogsOut, responses=_ERRORS)
     async def logs(
         task_id: str,
+        _who: Viewer,
         after: Annotated[int, Query(ge=0, description="return chunks after this id")] = 0,
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
         follow: Annotated[bool, Query(description="stream NDJSON until the task ends")] = False,
@@ -156,7 +205,7 @@ def create_app(store: Store, scheduler: Scheduler) -> FastAPI:
         return StreamingResponse(_follow(store, tid, after), media_type="application/x-ndjson")
 
     @app.get("/v1/tasks/{task_id}/explain", response_model=ExplainOut, responses=_ERRORS)
-    async def explain(task_id: str) -> ExplainOut:
+    async def explain(task_id: str, _who: Viewer) -> ExplainOut:
         """Why is my task still queued? Every node with the first check it fails, or its score."""
         task, verdicts, avoid = await scheduler.explain(parse_task_id(task_id))
         return ExplainOut(
@@ -166,54 +215,128 @@ def create_app(store: Store, scheduler: Scheduler) -> FastAPI:
         )  # fmt: skip
 
     @app.put("/v1/specs/{name}", response_model=NamedSpecOut, status_code=201, responses=_ERRORS)
-    async def put_spec(name: str, body: TaskSpec) -> NamedSpecOut:
+    async def put_spec(name: str, body: TaskSpec, who: Operator) -> NamedSpecOut:
         """Store a new revision of a named spec."""
-        return named_spec_out(await store.put_named_spec(_name(name), body, actor="api"))
+        row = await store.put_named_spec(_name(name), body, actor=who.actor)
+        await audit(who, "spec.put", name, revision=row["revision"])
+        return named_spec_out(row)
 
     @app.get("/v1/specs", response_model=list[NamedSpecOut], responses=_ERRORS)
-    async def list_specs() -> list[NamedSpecOut]:
+    async def list_specs(_who: Viewer) -> list[NamedSpecOut]:
         return [named_spec_out(r) for r in await store.list_named_specs()]
 
     @app.get("/v1/specs/{name}", response_model=NamedSpecOut, responses=_ERRORS)
-    async def get_spec(name: str, revision: Annotated[int | None, Query(ge=1)] = None) -> NamedSpecOut:
+    async def get_spec(name: str, _who: Viewer, revision: Annotated[int | None, Query(ge=1)] = None) -> NamedSpecOut:
         return named_spec_out(await store.named_spec(_name(name), revision))
 
     @app.post("/v1/specs/{name}/submit", response_model=SubmitResponse, status_code=201, responses=_ERRORS)
-    async def submit_spec(name: str, body: SubmitNamedIn) -> Any:
+    async def submit_spec(name: str, body: SubmitNamedIn, who: Operator) -> Any:
         """Submit the named spec. With `revision`, refused (409) unless that is still the current one."""
-        row, created = await store.submit_named(_name(name), body.revision, idempotency_key=body.idempotency_key, actor="api")
+        row, created = await store.submit_named(_name(name), body.revision, idempotency_key=body.idempotency_key, actor=who.actor)
+        if created:
+            await audit(who, "task.submit", str(row["id"]), spec=name, revision=row["spec_revision"])
         resp = SubmitResponse(task=task_out(row), created=created)
         return JSONResponse(json.loads(resp.model_dump_json()), status_code=201 if created else 200)
 
     @app.get("/v1/nodes", response_model=list[NodeOut], responses=_ERRORS)
-    async def list_nodes() -> list[NodeOut]:
+    async def list_nodes(_who: Viewer) -> list[NodeOut]:
         return [node_out(r) for r in await store.list_nodes()]
 
     @app.get("/v1/nodes/{node}", response_model=NodeOut, responses=_ERRORS)
-    async def get_node(node: str) -> NodeOut:
+    async def get_node(node: str, _who: Viewer) -> NodeOut:
         return node_out(await store.get_node(node))
 
     @app.post("/v1/nodes/{node}/drain", response_model=NodeOut, responses=_ERRORS)
-    async def drain(node: str) -> NodeOut:
+    async def drain(node: str, who: Operator) -> NodeOut:
         """Take no new work on this node; what it runs finishes."""
         row = await store.get_node(node)
         await store.set_draining(row["id"], True)
+        await audit(who, "node.drain", row["id"])
         return node_out(await store.get_node(row["id"]))
 
     @app.put("/v1/nodes/{node}/labels", response_model=NodeOut, responses=_ERRORS)
-    async def set_labels(node: str, body: LabelsIn) -> NodeOut:
+    async def set_labels(node: str, body: LabelsIn, who: Operator) -> NodeOut:
         """Replace a node's labels. From then on the operator's labels win over what the agent reports."""
         row = await store.get_node(node)
         await store.set_labels(row["id"], body.labels)
+        await audit(who, "node.labels", row["id"], labels=body.labels)
         return node_out(await store.get_node(row["id"]))
 
     @app.post("/v1/nodes/{node}/undrain", response_model=NodeOut, responses=_ERRORS)
-    async def undrain(node: str) -> NodeOut:
+    async def undrain(node: str, who: Operator) -> NodeOut:
         row = await store.get_node(node)
         await store.set_draining(row["id"], False)
+        await audit(who, "node.undrain", row["id"])
         return node_out(await store.get_node(row["id"]))
 
+    # ---- identities, secrets, audit ----------------------------------------------------------
+
+    @app.post("/v1/tokens", response_model=TokenCreated, status_code=201, responses=_ERRORS)
+    async def create_token(body: TokenIn, who: Admin) -> TokenCreated:
+        """Create a token. Its value is in this answer and nowhere else, ever."""
+        row, token = await security.create_token(body.name, body.role, by=who.actor)
+        await audit(who, "token.create", row["id"], name=body.name, role=body.role)
+        return TokenCreated(**_token_fields(row), token=token)
+
+    @app.get("/v1/tokens", response_model=list[TokenOut], responses=_ERRORS)
+    async def list_tokens(_who: Admin) -> list[TokenOut]:
+        return [TokenOut(**_token_fields(r)) for r in await store.list_tokens()]
+
+    @app.delete("/v1/tokens/{token_id}", response_model=TokenOut, responses=_ERRORS)
+    async def revoke_token(token_id: str, who: Admin) -> TokenOut:
+        """Revoke a token; it stops working at once."""
+        if len(token_id) > 64:
+            raise InvalidRequest("a token id is at most 64 characters")
+        row = await store.revoke_token(token_id)
+        await audit(who, "token.revoke", token_id)
+        return TokenOut(**_token_fields(row))
+
+    @app.put("/v1/secrets/{name}", response_model=SecretOut, status_code=201, responses=_ERRORS)
+    async def set_secret(name: str, body: SecretIn, who: Admin) -> SecretOut:
+        """Create or replace a secret. The value is encrypted at rest and never returned."""
+        row = await security.set_secret(_name(name), body.value.encode(), who.actor)
+        await audit(who, "secret.set", name, version=row["version"])
+        return SecretOut(**row)
+
+    @app.get("/v1/secrets", response_model=list[SecretOut], responses=_ERRORS)
+    async def list_secrets(_who: Operator) -> list[SecretOut]:
+        """Names, versions and times; never values."""
+        return [SecretOut(**dict(r)) for r in await store.list_secrets()]
+
+    @app.delete("/v1/secrets/{name}", status_code=204, responses=_ERRORS)
+    async def delete_secret(name: str, who: Admin) -> Response:
+        await store.delete_secret(name if name.startswith(REGISTRY_PREFIX) else _name(name))
+        await audit(who, "secret.delete", name)
+        return Response(status_code=204)
+
+    @app.put("/v1/registries/{host}", response_model=SecretOut, status_code=201, responses=_ERRORS)
+    async def registry_login(host: str, body: RegistryLoginIn, who: Admin) -> SecretOut:
+        """Store a registry login; it is sent only with tasks whose image comes from that registry."""
+        name = REGISTRY_PREFIX + validate_registry_host(host)
+        value = json.dumps({"username": body.username, "password": body.password}).encode()
+        row = await security.set_secret(name, value, who.actor)
+        await audit(who, "registry.login", host, username=body.username)
+        return SecretOut(**row)
+
+    @app.post("/v1/nodes/{node}/revoke", response_model=NodeOut, responses=_ERRORS)
+    async def revoke_node(node: str, who: Admin) -> NodeOut:
+        """Remove a node from the fleet: its stream is closed, it can never rejoin, and its tasks go
+        through the node-loss policy."""
+        row = await store.get_node(node)
+        await store.revoke_node(row["id"])
+        await scheduler.node_removed(row["id"])
+        await audit(who, "node.revoke", row["id"])
+        return node_out(await store.get_node(row["id"]))
+
+    @app.get("/v1/audit", response_model=list[AuditOut], responses=_ERRORS)
+    async def read_audit(_who: Admin, limit: Annotated[int, Query(ge=1, le=10000)] = 100) -> list[AuditOut]:
+        return [AuditOut(**dict(r)) for r in await store.read_audit(limit)]
+
     return app
+
+
+def _token_fields(r: Any) -> dict[str, Any]:
+    return {k: r[k] for k in ("id", "name", "role", "created_at", "created_by", "revoked_at")}
 
 
 def _chunk(r: Any) -> LogChunkOut:

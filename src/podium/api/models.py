@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from podium.security.tokens import Role
 from podium.spec import validate_labels
 
 from podium.states import TERMINAL, TaskState
@@ -155,6 +156,56 @@ class SubmitNamedIn(BaseModel):
 
     revision: int | None = Field(default=None, ge=1, description="refuse unless this is the current revision")
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
+
+
+class TokenIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+    role: Role
+
+
+class TokenOut(BaseModel):
+    id: str
+    name: str
+    role: str
+    created_at: datetime
+    created_by: str
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenOut):
+    token: str  # shown once
+
+
+class SecretIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    value: str = Field(min_length=1, max_length=64 * 1024)
+
+
+class RegistryLoginIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    username: str = Field(min_length=1, max_length=256)
+    password: str = Field(min_length=1, max_length=4096)
+
+
+class SecretOut(BaseModel):
+    name: str
+    version: int
+    created_at: datetime
+    updated_at: datetime
+    updated_by: str
+
+
+class AuditOut(BaseModel):
+    id: int
+    at: datetime
+    actor: str
+    action: str
+    target: str | None
+    detail: dict[str, Any]
 
 
 class ErrorOut(BaseModel):

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import ssl
+
 import httpx
+import platformdirs
 
 DEFAULT_ADDR = "http://127.0.0.1:8642"
 FOLLOW_RECONNECT_SECONDS = 120.0
@@ -28,10 +32,28 @@ def normalise_addr(addr: str | None) -> str:
     return addr
 
 
+def token_file() -> Path:
+    return Path(platformdirs.user_config_dir("podium")) / "token"
+
+
+def find_token() -> str | None:
+    """PODIUM_TOKEN, else the token `podium dev` left in the user's config dir."""
+    if os.environ.get("PODIUM_TOKEN"):
+        return os.environ["PODIUM_TOKEN"].strip()
+    path = token_file()
+    if path.exists():
+        return path.read_text().strip() or None
+    return None
+
+
 class Client:
     def __init__(self, addr: str | None = None, timeout: float = 30.0) -> None:
         self.addr = normalise_addr(addr)
-        self.http = httpx.Client(base_url=self.addr, timeout=timeout)
+        token = find_token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        ca_file = os.environ.get("PODIUM_CA_FILE")
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
+        self.http = httpx.Client(base_url=self.addr, timeout=timeout, headers=headers, verify=verify)
 
     def _request(self, method: str, path: str, **kw: Any) -> Any:
         try:
@@ -45,12 +67,18 @@ class Client:
             raise CliError(f"the Podium server at {self.addr} did not answer in time") from None
         except httpx.HTTPError as e:
             raise CliError(f"talking to {self.addr} failed: {e}") from None
+        except ssl.SSLError as e:
+            raise CliError(f"TLS with {self.addr} failed: {e} (PODIUM_CA_FILE names the CA to trust)") from None
         if r.status_code >= 400:
             try:
                 msg = r.json().get("error") or r.text
             except (json.JSONDecodeError, AttributeError):
                 msg = r.text or r.reason_phrase
+            if r.status_code == 401:
+                msg += " (set PODIUM_TOKEN to an operator token)"
             raise CliError(f"{msg}")
+        if r.status_code == 204:
+            return None
         return r.json()
 
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -123,6 +151,33 @@ class Client:
     def submit_spec(self, name: str, revision: int | None, idempotency_key: str | None) -> dict[str, Any]:
         body = {k: v for k, v in {"revision": revision, "idempotency_key": idempotency_key}.items() if v is not None}
         return self._request("POST", f"/v1/specs/{name}/submit", json=body)
+
+    def create_token(self, name: str, role: str) -> dict[str, Any]:
+        return self._request("POST", "/v1/tokens", json={"name": name, "role": role})
+
+    def tokens(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/v1/tokens")
+
+    def revoke_token(self, token_id: str) -> dict[str, Any]:
+        return self._request("DELETE", f"/v1/tokens/{token_id}")
+
+    def set_secret(self, name: str, value: str) -> dict[str, Any]:
+        return self._request("PUT", f"/v1/secrets/{name}", json={"value": value})
+
+    def secrets(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/v1/secrets")
+
+    def delete_secret(self, name: str) -> None:
+        self._request("DELETE", f"/v1/secrets/{name}")
+
+    def registry_login(self, host: str, username: str, password: str) -> dict[str, Any]:
+        return self._request("PUT", f"/v1/registries/{host}", json={"username": username, "password": password})
+
+    def revoke_node(self, node: str) -> dict[str, Any]:
+        return self._request("POST", f"/v1/nodes/{node}/revoke")
+
+    def audit(self, limit: int) -> list[dict[str, Any]]:
+        return self._request("GET", "/v1/audit", params={"limit": limit})
 
     def nodes(self) -> list[dict[str, Any]]:
         return self._request("GET", "/v1/nodes")

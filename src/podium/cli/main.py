@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from podium.cli.client import Client, CliError
+from podium.cli.client import Client, CliError, token_file
 from podium.spec import SubmitRequest, parse_label_pairs
 from podium.units import format_cpu, format_size, parse_cpu, parse_duration, parse_size
 
@@ -33,6 +33,12 @@ db_app = typer.Typer(no_args_is_help=True, help="Database maintenance.")
 app.add_typer(db_app, name="db")
 spec_app = typer.Typer(no_args_is_help=True, help="Named specs with revisions.")
 app.add_typer(spec_app, name="spec")
+token_app = typer.Typer(no_args_is_help=True, help="Operator and join tokens (admin).")
+app.add_typer(token_app, name="token")
+secret_app = typer.Typer(no_args_is_help=True, help="Secrets: encrypted at rest, never shown again.")
+app.add_typer(secret_app, name="secret")
+registry_app = typer.Typer(no_args_is_help=True, help="Container registry logins.")
+app.add_typer(registry_app, name="registry")
 
 out = Console()
 err = Console(stderr=True, soft_wrap=True)  # an error is one line, however long
@@ -51,8 +57,9 @@ def default_data_dir() -> Path:
 
 
 def _setup_logging(verbose: bool = False) -> None:
+    level = logging.DEBUG if verbose else getattr(logging, os.environ.get("PODIUM_LOG_LEVEL", "INFO").upper(), logging.INFO)
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=level,
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -70,6 +77,10 @@ def server(
     grpc_host: Annotated[str, typer.Option(help="address the agent gateway listens on")] = "127.0.0.1",
     data_dir: Annotated[Path | None, typer.Option(help="where the embedded PostgreSQL keeps its data")] = None,
     placement: Annotated[str, typer.Option(help="placement policy: spread or binpack")] = "spread",
+    tls_cert: Annotated[Path | None, typer.Option(help="TLS certificate (PEM) for the API and the agent gateway")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
+    client_ca: Annotated[Path | None, typer.Option(help="require agents to present a certificate signed by this CA (mutual TLS)")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="allow listening beyond loopback without TLS")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a server. With PODIUM_DATABASE_URL it uses that PostgreSQL; without, an embedded one."""
@@ -77,11 +88,22 @@ def server(
 
     if placement not in ("spread", "binpack"):
         raise CliError(f"--placement must be spread or binpack, not {placement!r}")
+    if bool(tls_cert) != bool(tls_key):
+        raise CliError("--tls-cert and --tls-key go together")
+    if client_ca and not tls_cert:
+        raise CliError("--client-ca needs --tls-cert and --tls-key")
+    for path in (tls_cert, tls_key, client_ca):
+        if path is not None and not path.is_file():
+            raise CliError(f"{path} does not exist")
+    loopback = {"127.0.0.1", "::1", "localhost"}
+    if not tls_cert and not insecure and (host not in loopback or grpc_host not in loopback):
+        raise CliError("listening beyond loopback needs TLS (--tls-cert/--tls-key); --insecure overrides this")
     _setup_logging(verbose)
     cfg = ServerConfig(
         data_dir=data_dir or default_data_dir(),
         database_url=os.environ.get("PODIUM_DATABASE_URL") or None,
         host=host, port=port, grpc_host=grpc_host, grpc_port=grpc_port, placement_policy=placement,
+        tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca,
     )  # fmt: skip
 
     async def main() -> None:
@@ -105,9 +127,13 @@ def agent(
     artifact: Annotated[list[str], typer.Option("--artifact", help="an artifact (image digest) present here; repeatable")] = [],  # noqa: B006
     state_dir: Annotated[Path | None, typer.Option(help="where the node keeps its id and task work dirs")] = None,
     journal: Annotated[Path | None, typer.Option(help="append what actually started/stopped here (JSON lines)")] = None,
+    tls: Annotated[bool, typer.Option("--tls", help="connect with TLS, verifying the server with the system's CAs")] = False,
+    ca_file: Annotated[Path | None, typer.Option(help="verify the server with this CA (PEM); implies TLS")] = None,
+    cert: Annotated[Path | None, typer.Option(help="client certificate (PEM) for mutual TLS")] = None,
+    key: Annotated[Path | None, typer.Option(help="client key (PEM) for mutual TLS")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Run an agent: join a server and run what it assigns."""
+    """Run an agent: join a server (PODIUM_JOIN_TOKEN the first time) and run what it assigns."""
     from podium.agent import facts
     from podium.agent.agent import Agent, AgentConfig
     from podium.timing import timing_from_env
@@ -129,7 +155,11 @@ def agent(
         capabilities=list(capability),
         artifacts=list(artifact),
         gpu_indexes=facts.gpu_indexes(),
-        credential=os.environ.get("PODIUM_JOIN_TOKEN", ""),
+        credential=os.environ.get("PODIUM_JOIN_TOKEN", "").strip(),
+        tls=tls,
+        ca_file=ca_file,
+        client_cert=cert,
+        client_key=key,
         journal=journal,
         # fault-injection knobs for the test suite; named TEST so nobody mistakes them for features
         drop_assigns=os.environ.get("PODIUM_TEST_AGENT_DROP_ASSIGNS") == "1",
@@ -147,6 +177,10 @@ def agent(
         await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
         runner.cancel()
         await node.shutdown()
+        if runner.done() and not runner.cancelled() and isinstance(runner.exception(), NodeRemoved):
+            raise CliError(f"the server refused this node: {runner.exception()}", code=3)
+
+    from podium.agent.agent import NodeRemoved
 
     asyncio.run(main())
 
@@ -177,13 +211,24 @@ def dev(
         if run.done():
             run.result()
             return
+        admin = (ddir / "admin-token").read_text().strip() if (ddir / "admin-token").exists() else None
+        if admin:
+            # the CLI finds it here, so the newcomer never handles a token by hand
+            from podium.security.secretbox import write_private
+
+            token_file().parent.mkdir(parents=True, exist_ok=True)
+            write_private(token_file(), (admin + "\n").encode())
+        join = (ddir / "join-token").read_text().strip() if (ddir / "join-token").exists() else ""
         agent_proc = subprocess.Popen(
             [sys.executable, "-m", "podium", "agent", "--server", f"127.0.0.1:{grpc_port}", "--name", "local",
              "--state-dir", str(ddir / "agent")],
+            env={**os.environ, "PODIUM_JOIN_TOKEN": join, "PODIUM_LOG_LEVEL": "DEBUG" if verbose else "WARNING"},
         )  # fmt: skip
         out.print(f"[bold green]Podium is running[/] (server and one local agent, data in {ddir})")
-        out.print(f"  API:     {addr}   (OpenAPI: {addr}/docs)")
-        out.print(f"  Try:     PODIUM_ADDR={addr} podium run -- sh -c 'echo hello from podium'")
+        out.print(f"  Token:   an admin token is in {token_file()} (the CLI reads it)", soft_wrap=True)
+        out.print("  Note:    no TLS — fine on loopback; give `podium server` --tls-cert/--tls-key beyond it", soft_wrap=True)
+        out.print(f"  API:     {addr}   (OpenAPI: {addr}/docs)", soft_wrap=True)
+        out.print(f"  Try:     PODIUM_ADDR={addr} podium run -- sh -c 'echo hello from podium'", soft_wrap=True)
         out.print("  Stop:    Ctrl-C")
         if demo:
             threading.Thread(target=_demo, args=(addr, t0), daemon=True).start()
@@ -219,7 +264,7 @@ def _demo(addr: str, t0: float) -> None:
                 out.print(f"  └ task {e['state']} with exit code {e['exit_code']}")
         if running_at:
             out.print(f"  (first output {running_at - t0:.2f}s after `podium dev` started)")
-        out.print(f"  See it again: PODIUM_ADDR={addr} podium show {tid}")
+        out.print(f"  See it again: PODIUM_ADDR={addr} podium show {tid}", soft_wrap=True)
     except CliError as e:
         err.print(f"demo: {e}")
 
@@ -299,6 +344,7 @@ def run(
     attempts: Annotated[int | None, typer.Option(help="how many nodes may try it (default 3)")] = None,
     name: Annotated[str | None, typer.Option(help="a name for the task")] = None,
     env: Annotated[list[str], typer.Option("--env", "-e", help="an environment variable NAME=value; repeatable")] = [],  # noqa: B006
+    secret: Annotated[list[str], typer.Option("--secret", help="a stored secret as an env var: NAME or NAME:ENV; repeatable")] = [],  # noqa: B006
     idempotency_key: Annotated[str | None, typer.Option(help="submitting twice with the same key gives the same task")] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="print the task id and return")] = False,
     server: ServerOpt = None,
@@ -333,6 +379,8 @@ def run(
         body["name"] = name
     if env:
         body["env"] = dict(_split_env(e) for e in env)
+    if secret:
+        body["secrets"] = [_secret_ref(x) for x in secret]
     if idempotency_key:
         body["idempotency_key"] = idempotency_key
     client = Client(server)
@@ -342,6 +390,11 @@ def run(
         print(tid)
         return
     raise typer.Exit(_attach(client, tid))
+
+
+def _secret_ref(text: str) -> dict[str, str]:
+    name, _, env_name = text.partition(":")
+    return {"name": name, "env": env_name or name.upper().replace("-", "_").replace(".", "_")}
 
 
 def _split_env(pair: str) -> tuple[str, str]:
@@ -617,6 +670,133 @@ def spec_run(
         print(tid)
         return
     raise typer.Exit(_attach(client, tid))
+
+
+@token_app.command("create")
+def token_create(
+    name: str,
+    role: Annotated[str, typer.Option(help="admin, operator, viewer, or join (for agents)")] = "operator",
+    server: ServerOpt = None,
+) -> None:
+    """Create a token; it is printed once and never shown again."""
+    if role not in ("admin", "operator", "viewer", "join"):
+        raise CliError(f"--role must be admin, operator, viewer or join, not {role!r}")
+    r = Client(server).create_token(name, role)
+    err.print(f"token {r['id']} ({r['role']}) created; it is shown only now:")
+    print(r["token"])
+
+
+@token_app.command("ls")
+def token_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+    """Tokens (ids, names, roles; never values)."""
+    rows = Client(server).tokens()
+    if json_out:
+        print(json.dumps(rows, indent=2))
+        return
+    t = Table(box=None)
+    for col in ("ID", "NAME", "ROLE", "CREATED", "BY", "REVOKED"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["id"], r["name"], r["role"], r["created_at"][:19].replace("T", " "), r["created_by"],
+                  (r["revoked_at"] or "")[:19].replace("T", " "))  # fmt: skip
+    out.print(t)
+
+
+@token_app.command("revoke")
+def token_revoke(token_id: str, server: ServerOpt = None) -> None:
+    """Revoke a token; it stops working at once."""
+    r = Client(server).revoke_token(token_id)
+    out.print(f"token {r['id']} ({r['name']}) revoked")
+
+
+@secret_app.command("set")
+def secret_set(
+    name: str,
+    from_file: Annotated[Path | None, typer.Option("--from-file", help="read the value from this file")] = None,
+    server: ServerOpt = None,
+) -> None:
+    """Store a secret. The value comes from standard input or --from-file, never from the command line."""
+    if from_file is not None:
+        try:
+            value = from_file.read_text()
+        except OSError as e:
+            raise CliError(f"cannot read {from_file}: {e.strerror}") from None
+    else:
+        if sys.stdin.isatty():
+            import getpass
+
+            value = getpass.getpass(f"value for {name}: ")
+        else:
+            value = sys.stdin.read()
+    value = value.removesuffix("\n")
+    if not value:
+        raise CliError("the secret value is empty")
+    r = Client(server).set_secret(name, value)
+    out.print(f"secret {r['name']} is at version {r['version']}")
+
+
+@secret_app.command("ls")
+def secret_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+    """Secrets: names, versions and times; never values."""
+    rows = Client(server).secrets()
+    if json_out:
+        print(json.dumps(rows, indent=2))
+        return
+    t = Table(box=None)
+    for col in ("NAME", "VERSION", "UPDATED", "BY"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["name"], str(r["version"]), r["updated_at"][:19].replace("T", " "), r["updated_by"])
+    out.print(t)
+
+
+@secret_app.command("rm")
+def secret_rm(name: str, server: ServerOpt = None) -> None:
+    """Delete a secret."""
+    Client(server).delete_secret(name)
+    out.print(f"secret {name} deleted")
+
+
+@registry_app.command("login")
+def registry_login(
+    host: str,
+    username: Annotated[str, typer.Option("--username", "-u")],
+    server: ServerOpt = None,
+) -> None:
+    """Store a registry login; the password comes from standard input. Sent only with tasks whose
+    image comes from that registry."""
+    if sys.stdin.isatty():
+        import getpass
+
+        password = getpass.getpass(f"password for {username}@{host}: ")
+    else:
+        password = sys.stdin.read().removesuffix("\n")
+    if not password:
+        raise CliError("the password is empty")
+    Client(server).registry_login(host, username, password)
+    out.print(f"login for {host} stored")
+
+
+@app.command()
+def revoke(node: str, server: ServerOpt = None) -> None:
+    """Remove a node from the fleet for good: its stream is closed and it can never rejoin."""
+    n = Client(server).revoke_node(node)
+    out.print(f"node {n['name']} ({n['id']}) removed")
+
+
+@app.command()
+def audit(limit: Annotated[int, typer.Option(min=1, max=10000)] = 50, server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+    """Who did what, newest first (admin)."""
+    rows = Client(server).audit(limit)
+    if json_out:
+        print(json.dumps(rows, indent=2))
+        return
+    t = Table(box=None)
+    for col in ("AT", "ACTOR", "ACTION", "TARGET"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["at"][:19].replace("T", " "), r["actor"], r["action"], r["target"] or "")
+    out.print(t)
 
 
 def _read_spec(file: str) -> dict[str, Any]:

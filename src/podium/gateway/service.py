@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from podium import __version__
-from podium.errors import NotFound, StoreUnavailable
+from podium.errors import Forbidden, NotFound, PodiumError, StoreUnavailable, Unauthorized
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.scheduler import policy
 from podium.scheduler.service import Scheduler, facts
+from podium.security.service import Security
 from podium.states import TaskState
 from podium.store import Store
 from podium.timing import Timing
@@ -44,6 +47,7 @@ class Session:
     out: asyncio.Queue[pb.ServerMessage | None] = field(default_factory=asyncio.Queue)
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sync_again: bool = False
+    revoked: bool = False
 
     def send(self, msg: pb.ServerMessage) -> None:
         self.out.put_nowait(msg)
@@ -53,8 +57,10 @@ class Session:
 
 
 class Gateway(pb_grpc.AgentGatewayServicer):
-    def __init__(self, store: Store, scheduler: Scheduler, timing: Timing, *, server_id: str) -> None:
+    def __init__(self, store: Store, scheduler: Scheduler, timing: Timing, *, server_id: str, security: Security) -> None:
         self.store = store
+        self.security = security
+        self._revoked_conn = None
         self.scheduler = scheduler
         self.timing = timing
         self.server_id = server_id
@@ -115,6 +121,8 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             try:
                 if self._listen_conn is None or self._listen_conn.is_closed():
                     self._listen_conn = await self.store.listen("podium_node", self._on_node_notify)
+                if self._revoked_conn is None or self._revoked_conn.is_closed():
+                    self._revoked_conn = await self.store.listen("podium_revoked", self._on_revoked)
                 for node_id in await self.store.nodes_with_outbox():
                     self._schedule_sync(node_id)
             except (StoreUnavailable, OSError) as e:
@@ -125,11 +133,19 @@ class Gateway(pb_grpc.AgentGatewayServicer):
     async def close(self) -> None:
         for s in list(self.sessions.values()):
             s.close()
-        if self._listen_conn is not None and not self._listen_conn.is_closed():
-            await self._listen_conn.close()
+        for conn in (self._listen_conn, self._revoked_conn):
+            if conn is not None and not conn.is_closed():
+                await conn.close()
         await self.flush_logs()
         with contextlib.suppress(StoreUnavailable):
             await self.store.release_gateway(self.server_id)
+
+    def _on_revoked(self, node_id: str) -> None:
+        s = self.sessions.get(node_id)
+        if s is not None:
+            log.warning("node %s was removed from the fleet; closing its stream", node_id)
+            s.revoked = True
+            s.close()
 
     def _on_node_notify(self, node_id: str) -> None:
         self._schedule_sync(node_id)
@@ -155,16 +171,34 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                     return
                 for r in rows:
                     if r["kind"] == "assign":
-                        s.send(pb.ServerMessage(assign=pb.Assign(
-                            task_id=str(r["task_id"]), attempt=r["attempt"], fencing_token=r["fencing_token"],
-                            spec_json=r["spec"], gpu_indexes=list(r["gpu_indexes"] or ()),
-                        )))  # fmt: skip
+                        await self._send_assign(s, r)
                     else:
                         s.send(pb.ServerMessage(cancel=pb.Cancel(
                             task_id=str(r["task_id"]), fencing_token=r["fencing_token"], reason=r["reason"] or "",
                         )))  # fmt: skip
                 if not s.sync_again:
                     return
+
+    async def _send_assign(self, s: Session, r: Any) -> None:
+        """Resolve the task's secrets now, immediately before the Assign that carries them, and only
+        for the node that runs this attempt."""
+        spec = json.loads(r["spec"])
+        try:
+            values, registries = await self.security.resolve(spec)
+        except (NotFound, PodiumError) as e:
+            log.warning("task %s cannot be sent: %s", r["task_id"], e)
+            await self.scheduler.apply(
+                r["task_id"], TaskState.ASSIGNED,
+                policy.Step(TaskState.FAILED, reasons.SECRET_MISSING, end_attempt=policy.A.REVOKED),
+                fencing_token=r["fencing_token"],
+            )  # fmt: skip
+            return
+        s.send(pb.ServerMessage(assign=pb.Assign(
+            task_id=str(r["task_id"]), attempt=r["attempt"], fencing_token=r["fencing_token"],
+            spec_json=r["spec"], gpu_indexes=list(r["gpu_indexes"] or ()),
+            secrets=[pb.SecretValue(env=env, value=value) for env, value in values],
+            registries=[pb.RegistryCredential(registry=h, username=u, password=p) for h, u, p in registries],
+        )))  # fmt: skip
 
     # ---- the stream ----------------------------------------------------------------------------
 
@@ -181,6 +215,17 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         problem = _check_hello(hello)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            return
+        try:
+            issued = await self.security.admit_node(hello.node_id, hello.credential)
+        except Forbidden as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+            return
+        except Unauthorized as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+            return
+        except StoreUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server cannot reach its database: {e}")
             return
         c = hello.capacity
         try:
@@ -208,6 +253,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         s.send(pb.ServerMessage(welcome=pb.Welcome(
             node_id=hello.node_id, server_id=self.server_id, heartbeat_seconds=self.timing.heartbeat,
             kill_grace_seconds=self.timing.kill_grace, fence_after_seconds=self.fence_after,
+            node_credential=issued or "",
         )))  # fmt: skip
         if row["draining"]:
             s.send(pb.ServerMessage(drain=pb.Drain(draining=True)))
@@ -219,6 +265,8 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 if msg is None:
                     break
                 await context.write(msg)
+            if s.revoked:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this node was removed from the fleet")
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -264,6 +264,14 @@ class Scheduler:
         verdicts = explain(req, snaps, policy=self.policy_name)
         return task, [(v, everyone.get(v.node_id)) for v in verdicts], req.avoid_nodes
 
+    async def node_removed(self, node_id: str) -> None:
+        """A node was removed from the fleet: its tasks go through the node-loss policy now, not
+        after OfflineAfter — it will never report again."""
+        for r in await self.store.tasks_on_node(node_id):
+            row = await self.store.get_task(r["id"])
+            f = facts(row)
+            await self.apply(r["id"], f.state, policy.on_node_loss(f, reasons.NODE_REVOKED), fencing_token=r["fencing_token"])
+
     async def cancel(self, task_id: uuid.UUID, actor: str) -> asyncpg.Record:
         """Cancel a task: a queued one ends at once; one on a node is told to stop. Retries the
         compare-and-set when the task moved underneath (e.g. it was placed in between)."""

@@ -460,6 +460,69 @@ class Store:
         if row is None:
             raise NotFound(f"no node {node_id!r}")
 
+    # ---- security -------------------------------------------------------------------------------
+
+    async def insert_token(self, token_id: str, name: str, role: str, secret_hash: bytes, created_by: str) -> asyncpg.Record:
+        async with self._conn() as conn:
+            return await conn.fetchrow(self.q["insert_token"], token_id, name, role, secret_hash, created_by)
+
+    async def get_token(self, token_id: str) -> asyncpg.Record | None:
+        async with self._conn() as conn:
+            return await conn.fetchrow(self.q["get_token"], token_id)
+
+    async def list_tokens(self) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["list_tokens"])
+
+    async def revoke_token(self, token_id: str) -> asyncpg.Record:
+        async with self._conn() as conn:
+            row = await conn.fetchrow(self.q["revoke_token"], token_id)
+        if row is None:
+            raise NotFound(f"no active token {token_id!r}")
+        return row
+
+    async def active_tokens(self, role: str) -> int:
+        async with self._conn() as conn:
+            return int(await conn.fetchval(self.q["active_token_count"], role))
+
+    async def put_secret(self, name: str, nonce: bytes, ciphertext: bytes, actor: str) -> asyncpg.Record:
+        async with self._conn() as conn:
+            return await conn.fetchrow(self.q["put_secret"], name, nonce, ciphertext, actor)
+
+    async def list_secrets(self) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["list_secrets"])
+
+    async def delete_secret(self, name: str) -> None:
+        async with self._conn() as conn:
+            if await conn.fetchrow(self.q["delete_secret"], name) is None:
+                raise NotFound(f"no secret {name!r}")
+
+    async def get_secrets(self, names: Sequence[str]) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["get_secrets"], list(names))
+
+    async def audit(self, actor: str, action: str, target: str | None, detail: dict[str, Any] | None = None) -> None:
+        async with self._conn() as conn:
+            await conn.execute(self.q["audit"], actor, action, target, detail or {})
+
+    async def read_audit(self, limit: int) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["read_audit"], limit)
+
+    async def node_credential(self, node_id: str) -> asyncpg.Record | None:
+        async with self._conn() as conn:
+            return await conn.fetchrow(self.q["node_credential"], node_id)
+
+    async def enrol_node(self, node_id: str, credential_hash: bytes) -> bool:
+        async with self._conn() as conn:
+            return await conn.fetchrow(self.q["set_node_credential"], node_id, credential_hash) is not None
+
+    async def revoke_node(self, node_id: str) -> None:
+        async with self._conn() as conn:
+            if await conn.fetchrow(self.q["revoke_node"], node_id) is None:
+                raise NotFound(f"no node {node_id!r} (or it was already removed)")
+
     # ---- watchdog -------------------------------------------------------------------------------
 
     async def mark_unreachable(self, after: float) -> list[str]:

@@ -29,7 +29,7 @@ RETURNING id, session, draining, pg_notify('podium_dispatch', '')
 -- online (a node that talks again is reachable again); only the node's current session counts.
 UPDATE nodes n SET last_heartbeat_at = now(), health = 'online', connected = true, gateway_id = $3
 FROM unnest($1::text[], $2::bigint[]) AS d(id, session)
-WHERE n.id = d.id AND n.session = d.session
+WHERE n.id = d.id AND n.session = d.session AND n.revoked_at IS NULL
 
 -- node_disconnected --
 UPDATE nodes SET connected = false, gateway_id = NULL, updated_at = now()

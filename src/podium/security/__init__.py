@@ -1,0 +1,1 @@
+"""Identities (operator tokens, join tokens, node credentials), roles, and secrets at rest."""

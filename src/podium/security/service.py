@@ -1,0 +1,152 @@
+"""Authentication of operators, enrolment of nodes, and the secrets a task receives.
+
+Plaintext secrets exist in server memory only between `resolve` and the Assign that carries them;
+they are never logged, never returned by the API, never part of an error message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from podium.errors import Forbidden, InvalidRequest, NotFound, Unauthorized
+from podium.security import tokens
+from podium.security.secretbox import SecretBox, write_private
+from podium.security.tokens import Role
+from podium.store import Store
+
+log = logging.getLogger(__name__)
+
+REGISTRY_PREFIX = "registry:"
+_HOST = re.compile(r"^[A-Za-z0-9.\-]+(:[0-9]{1,5})?$")
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    token_id: str
+    name: str
+    role: Role
+
+    @property
+    def actor(self) -> str:
+        return f"{self.name} ({self.token_id})"
+
+
+def registry_of(image: str) -> str:
+    """The registry host an image is pulled from, as docker resolves it."""
+    first = image.split("/", 1)[0]
+    if "/" in image and ("." in first or ":" in first or first == "localhost"):
+        return first
+    return "docker.io"
+
+
+def validate_registry_host(host: str) -> str:
+    if not _HOST.match(host) or len(host) > 253:
+        raise InvalidRequest(f"{host!r} is not a registry host; write it like registry.example.com or localhost:5000")
+    return host
+
+
+class Security:
+    def __init__(self, store: Store, box: SecretBox) -> None:
+        self.store = store
+        self.box = box
+
+    # ---- operators --------------------------------------------------------------------------
+
+    async def authenticate(self, authorization: str | None, needed: Role) -> Principal:
+        if not authorization:
+            raise Unauthorized("this call needs a bearer token (Authorization: Bearer pdm_…; the CLI reads PODIUM_TOKEN)")
+        scheme, _, value = authorization.partition(" ")
+        parsed = tokens.parse(value.strip()) if scheme.lower() == "bearer" else None
+        if parsed is None:
+            raise Unauthorized("the Authorization header must be 'Bearer pdm_…'")
+        token_id, secret = parsed
+        row = await self.store.get_token(token_id)
+        if row is None or not tokens.matches(secret, row["secret_hash"]):
+            raise Unauthorized("the token is not valid")
+        if row["revoked_at"] is not None:
+            raise Unauthorized("the token was revoked")
+        role = Role(row["role"])
+        if role == Role.JOIN:
+            raise Forbidden("a join token can only join nodes to the fleet; it cannot call the API")
+        if not tokens.allows(role, needed):
+            raise Forbidden(f"a {role} token may not do this; it needs the {needed} role")
+        return Principal(token_id, row["name"], role)
+
+    async def create_token(self, name: str, role: Role, by: str) -> tuple[dict[str, Any], str]:
+        token_id, token, digest = tokens.new_token()
+        row = await self.store.insert_token(token_id, name, role, digest, by)
+        return dict(row), token
+
+    async def bootstrap(self, data_dir: Path) -> None:
+        """On a fresh database, make the first admin token and a join token, and leave them in the
+        data directory (owner-only) — the only place their plaintext ever exists."""
+        for role, filename, name in ((Role.ADMIN, "admin-token", "bootstrap-admin"), (Role.JOIN, "join-token", "bootstrap-join")):
+            if await self.store.active_tokens(role) == 0:
+                _row, token = await self.create_token(name, role, by="server bootstrap")
+                data_dir.mkdir(parents=True, exist_ok=True)
+                write_private(data_dir / filename, (token + "\n").encode())
+                log.warning("created the first %s token; it is in %s", role, data_dir / filename)
+
+    # ---- nodes ------------------------------------------------------------------------------
+
+    async def admit_node(self, node_id: str, credential: str) -> str | None:
+        """Check a node's Hello credential. Returns a new node credential when a join token enrolled
+        the node now (the agent keeps it), None when the node proved it is itself; raises otherwise."""
+        row = await self.store.node_credential(node_id)
+        if row is not None and row["revoked_at"] is not None:
+            raise Forbidden("this node was removed from the fleet")
+        if row is not None and row["credential_hash"] is not None:
+            if tokens.node_credential_matches(credential, row["credential_hash"]):
+                return None
+            raise Unauthorized(
+                "this node id is enrolled and its credential does not match (a join token cannot take over an enrolled node)"
+            )
+        parsed = tokens.parse(credential)
+        if parsed is None:
+            raise Unauthorized("a new node must present a join token (PODIUM_JOIN_TOKEN)")
+        trow = await self.store.get_token(parsed[0])
+        if trow is None or trow["role"] != Role.JOIN or trow["revoked_at"] is not None or not tokens.matches(parsed[1], trow["secret_hash"]):
+            raise Unauthorized("the join token is not valid")
+        credential_out, digest = tokens.new_node_credential()
+        if not await self.store.enrol_node(node_id, digest):
+            raise Unauthorized("this node id was enrolled by another agent just now")
+        return credential_out
+
+    # ---- secrets ----------------------------------------------------------------------------
+
+    async def set_secret(self, name: str, value: bytes, actor: str) -> dict[str, Any]:
+        nonce, ct = self.box.seal(name, value)
+        return dict(await self.store.put_secret(name, nonce, ct, actor))
+
+    async def missing_secrets(self, names: list[str]) -> list[str]:
+        have = {r["name"] for r in await self.store.get_secrets(names)}
+        return [n for n in names if n not in have]
+
+    async def resolve(self, spec: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
+        """(env, value) of every secret the spec names, and (registry, user, password) for the
+        registry its image comes from, if one is stored. Called just before the Assign is sent."""
+        refs = spec.get("secrets") or []
+        names = [r["name"] for r in refs]
+        registry = registry_of(spec["image"]) if spec.get("image") else None
+        if registry:
+            names.append(REGISTRY_PREFIX + registry)
+        if not names:
+            return [], []
+        rows = {r["name"]: r for r in await self.store.get_secrets(names)}
+        values: list[tuple[str, str]] = []
+        for ref in refs:
+            row = rows.get(ref["name"])
+            if row is None:
+                raise NotFound(f"secret {ref['name']!r} no longer exists")
+            values.append((ref["env"], self.box.open(ref["name"], row["nonce"], row["ciphertext"]).decode()))
+        creds: list[tuple[str, str, str]] = []
+        if registry and REGISTRY_PREFIX + registry in rows:
+            row = rows[REGISTRY_PREFIX + registry]
+            login = json.loads(self.box.open(row["name"], row["nonce"], row["ciphertext"]))
+            creds.append((registry, login["username"], login["password"]))
+        return values, creds

@@ -1,0 +1,52 @@
+-- insert_token --
+INSERT INTO api_tokens (id, name, role, secret_hash, created_by) VALUES ($1, $2, $3, $4, $5)
+RETURNING id, name, role, created_at, created_by, revoked_at
+
+-- get_token --
+SELECT * FROM api_tokens WHERE id = $1
+
+-- list_tokens --
+SELECT id, name, role, created_at, created_by, revoked_at FROM api_tokens ORDER BY created_at, id
+
+-- revoke_token --
+UPDATE api_tokens SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL
+RETURNING id, name, role, created_at, created_by, revoked_at
+
+-- active_token_count --
+SELECT count(*) FROM api_tokens WHERE role = $1 AND revoked_at IS NULL
+
+-- put_secret --
+INSERT INTO secrets (name, version, nonce, ciphertext, updated_by) VALUES ($1, 1, $2, $3, $4)
+ON CONFLICT (name) DO UPDATE SET version = secrets.version + 1, nonce = EXCLUDED.nonce,
+    ciphertext = EXCLUDED.ciphertext, updated_at = now(), updated_by = EXCLUDED.updated_by
+RETURNING name, version, created_at, updated_at, updated_by
+
+-- list_secrets --
+SELECT name, version, created_at, updated_at, updated_by FROM secrets ORDER BY name
+
+-- delete_secret --
+DELETE FROM secrets WHERE name = $1 RETURNING name
+
+-- get_secrets --
+SELECT name, nonce, ciphertext FROM secrets WHERE name = ANY($1::text[])
+
+-- audit --
+INSERT INTO audit_log (actor, action, target, detail) VALUES ($1, $2, $3, $4)
+
+-- read_audit --
+SELECT * FROM audit_log ORDER BY id DESC LIMIT $1
+
+-- node_credential --
+SELECT id, credential_hash, revoked_at FROM nodes WHERE id = $1
+
+-- set_node_credential --
+-- Only for a node that has none yet: a join token can enrol a node, never take one over.
+INSERT INTO nodes (id, name, credential_hash) VALUES ($1, $1, $2)
+ON CONFLICT (id) DO UPDATE SET credential_hash = EXCLUDED.credential_hash
+WHERE nodes.credential_hash IS NULL AND nodes.revoked_at IS NULL
+RETURNING id
+
+-- revoke_node --
+UPDATE nodes SET revoked_at = now(), connected = false, gateway_id = NULL, health = 'offline', updated_at = now()
+WHERE id = $1 AND revoked_at IS NULL
+RETURNING id, pg_notify('podium_revoked', id)
