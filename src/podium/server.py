@@ -48,6 +48,7 @@ class ServerConfig:
     tls_cert: Path | None = None  # PEM; with tls_key, the API and the gateway speak TLS only
     tls_key: Path | None = None
     client_ca: Path | None = None  # PEM; agents must present a certificate it signed (mutual TLS)
+    retention: float = 7 * 86400.0  # seconds finished tasks (with their events and logs) are kept
 
 
 class LoopDied(Exception):
@@ -91,7 +92,9 @@ class PodiumServer:
             log.info("applied migrations: %s", ", ".join(applied))
         security = Security(store, SecretBox(load_key(self.cfg.data_dir)))
         await security.bootstrap(self.cfg.data_dir)
-        scheduler = Scheduler(store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy)
+        scheduler = Scheduler(
+            store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy, retention=self.cfg.retention
+        )
         gateway = Gateway(store, scheduler, self.timing, server_id=self.server_id, security=security)
 
         grpc_server = grpc.aio.server(options=[("grpc.keepalive_time_ms", 20000), ("grpc.so_reuseport", 0)])

@@ -70,3 +70,18 @@ async def test_migrations_are_idempotent(store: Store) -> None:
     async with store.pool.acquire() as c:
         tables = {r["tablename"] for r in await c.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
     assert {"nodes", "tasks", "attempts", "task_events", "log_chunks", "schema_migrations"} <= tables
+
+
+async def test_finished_tasks_past_the_retention_are_pruned_with_their_history(store: Store) -> None:
+    old = await submit(store)
+    fresh = await submit(store)
+    live = await submit(store)
+    for tid in (old, fresh):
+        assert await store.transition_task(tid, "queued", "cancelled", actor="test")
+    async with store.pool.acquire() as c:
+        await c.execute("UPDATE tasks SET finished_at = now() - interval '8 days' WHERE id = $1", old)
+    assert await store.prune_finished(7 * 86400, 100) == 1
+    async with store.pool.acquire() as c:
+        left = {r["id"] for r in await c.fetch("SELECT id FROM tasks")}
+        assert await c.fetchval("SELECT count(*) FROM task_events WHERE task_id = $1", old) == 0
+    assert left == {fresh, live}

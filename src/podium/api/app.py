@@ -65,6 +65,9 @@ def parse_task_id(task_id: str) -> uuid.UUID:
         raise InvalidRequest(f"{task_id!r} is not a task id; task ids are UUIDs like 3f2a…") from None
 
 
+# Podium's errors and the HTTP status each one is; the message is the exception's own sentence.
+_STATUS: dict[type[Exception], int] = {InvalidRequest: 422, NotFound: 404, Conflict: 409, Unauthorized: 401, Forbidden: 403}
+
 _bearer = HTTPBearer(auto_error=False, description="an operator token: pdm_<id>.<secret>")
 
 
@@ -99,25 +102,13 @@ def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAP
     async def _invalid(_r: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"error": _validation_message(exc)}, status_code=422)
 
-    @app.exception_handler(InvalidRequest)
-    async def _bad(_r: Request, exc: InvalidRequest) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=422)
+    async def _podium_error(_r: Request, exc: Exception) -> JSONResponse:
+        status = _STATUS[type(exc)]
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return JSONResponse({"error": str(exc)}, status_code=status, headers=headers)
 
-    @app.exception_handler(NotFound)
-    async def _nf(_r: Request, exc: NotFound) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=404)
-
-    @app.exception_handler(Conflict)
-    async def _cf(_r: Request, exc: Conflict) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=409)
-
-    @app.exception_handler(Unauthorized)
-    async def _unauth(_r: Request, exc: Unauthorized) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-
-    @app.exception_handler(Forbidden)
-    async def _forbidden(_r: Request, exc: Forbidden) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=403)
+    for exc_type in _STATUS:
+        app.add_exception_handler(exc_type, _podium_error)
 
     @app.exception_handler(StoreUnavailable)
     async def _su(_r: Request, exc: StoreUnavailable) -> JSONResponse:

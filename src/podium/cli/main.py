@@ -81,6 +81,7 @@ def server(
     tls_key: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
     client_ca: Annotated[Path | None, typer.Option(help="require agents to present a certificate signed by this CA (mutual TLS)")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="allow listening beyond loopback without TLS")] = False,
+    retention: Annotated[str, typer.Option(help="how long finished tasks, their events and logs are kept")] = "7d",
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a server. With PODIUM_DATABASE_URL it uses that PostgreSQL; without, an embedded one."""
@@ -103,7 +104,7 @@ def server(
         data_dir=data_dir or default_data_dir(),
         database_url=os.environ.get("PODIUM_DATABASE_URL") or None,
         host=host, port=port, grpc_host=grpc_host, grpc_port=grpc_port, placement_policy=placement,
-        tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca,
+        tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca, retention=_parse(parse_duration, retention, "--retention"),
     )  # fmt: skip
 
     async def main() -> None:

@@ -33,6 +33,9 @@ from podium.timing import Timing
 log = logging.getLogger(__name__)
 
 SWEEP_LIMIT = 1000  # rows one watchdog query looks at; the next sweep takes the rest
+PRUNE_EVERY = 60.0  # seconds between deletions of tasks older than the retention
+PRUNE_BATCH = 5000  # tasks deleted at most per pass, so one pass never holds locks for long
+DEFAULT_RETENTION = 7 * 86400.0  # seconds a finished task, its events and its logs are kept
 
 
 def facts(row: asyncpg.Record | dict[str, Any]) -> TaskFacts:
@@ -91,8 +94,12 @@ def requirements(
 
 
 class Scheduler:
-    def __init__(self, store: Store, timing: Timing, *, server_id: str, policy_name: str = "spread") -> None:
+    def __init__(
+        self, store: Store, timing: Timing, *, server_id: str, policy_name: str = "spread", retention: float = DEFAULT_RETENTION
+    ) -> None:
         self.store = store
+        self.retention = retention
+        self._last_prune = 0.0
         self.timing = timing
         self.server_id = server_id
         self.policy_name = policy_name
@@ -170,9 +177,15 @@ class Scheduler:
         return placed, unplaced
 
     async def watchdog_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 await self.sweep()
+                if loop.time() - self._last_prune > PRUNE_EVERY:
+                    self._last_prune = loop.time()
+                    pruned = await self.store.prune_finished(self.retention, PRUNE_BATCH)
+                    if pruned:
+                        log.info("pruned %d tasks finished more than %.0fs ago", pruned, self.retention)
             except StoreUnavailable as e:
                 log.warning("watchdog: %s; retrying", e)
             except CONNECTION_ERRORS as e:

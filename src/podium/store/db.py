@@ -545,6 +545,13 @@ class Store:
         async with self._conn() as conn:
             return await conn.fetch(self.q["watch_cancel_grace"], grace, limit)
 
+    async def prune_finished(self, older_than: float, limit: int) -> int:
+        """Delete up to `limit` tasks that ended more than `older_than` seconds ago, with their
+        attempts, events and logs."""
+        async with self._conn() as conn:
+            status = await conn.execute(self.q["prune_finished"], older_than, limit)
+        return int(status.split()[-1])
+
     async def lost_tasks(self, limit: int) -> list[asyncpg.Record]:
         async with self._conn() as conn:
             return await conn.fetch(self.q["watch_lost"], limit)
