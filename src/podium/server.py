@@ -62,6 +62,7 @@ class PodiumServer:
         self.server_id = config.server_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.embedded: EmbeddedPostgres | None = None
         self.store: Store | None = None
+        self.liveness_store: Store | None = None
         self.started = asyncio.Event()
         self._stop = asyncio.Event()
 
@@ -95,7 +96,16 @@ class PodiumServer:
         scheduler = Scheduler(
             store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy, retention=self.cfg.retention
         )
-        gateway = Gateway(store, scheduler, self.timing, server_id=self.server_id, security=security)
+        # Node reports and heartbeats get a pool of their own: a burst of API traffic must never
+        # make a healthy node look silent, or a prompt accept look late.
+        self.liveness_store = await Store.connect(url, min_size=2, max_size=10)
+        gateway_scheduler = Scheduler(
+            self.liveness_store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy
+        )
+        gateway = Gateway(
+            self.liveness_store, gateway_scheduler, self.timing, server_id=self.server_id,
+            security=Security(self.liveness_store, security.box),
+        )  # fmt: skip
 
         grpc_server = grpc.aio.server(options=[("grpc.keepalive_time_ms", 20000), ("grpc.so_reuseport", 0)])
         pb_grpc.add_AgentGatewayServicer_to_server(gateway, grpc_server)
@@ -154,6 +164,7 @@ class PodiumServer:
             await grpc_server.stop(grace=1)
             await gateway.close()
             await scheduler.close()
+            await self.liveness_store.close()
             await store.close()
 
 

@@ -20,6 +20,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
 MAX_ATTEMPTS_LIMIT = 100
+MAX_BATCH = 1000  # tasks in one batch submission
 DEFAULT_MAX_ATTEMPTS = 3
 
 

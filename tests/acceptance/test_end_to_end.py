@@ -104,3 +104,20 @@ def test_bad_input_gets_one_clear_line(cluster: Cluster) -> None:
     r = cli("http://127.0.0.1:1", "ls")
     assert r.returncode == 1 and "cannot reach" in r.stderr
     assert cli(srv.api, "ls", "--json").stdout.strip() == "[]"
+
+
+def test_batch_submit_is_one_transaction_and_idempotent(cluster: Cluster) -> None:
+    cluster.server()
+    cluster.agent("a1", slots=8)
+    api = cluster.api
+    body = {"tasks": [{"command": ["echo", str(i)], "idempotency_key": f"b-{i}"} for i in range(20)]}
+    first = api.http.post("/v1/tasks/batch", json=body)
+    assert first.status_code == 200, first.text
+    again = api.http.post("/v1/tasks/batch", json=body).json()
+    assert [x["created"] for x in again] == [False] * 20
+    assert [x["task"]["id"] for x in again] == [x["task"]["id"] for x in first.json()]
+    for x in first.json():
+        api.wait_state(x["task"]["id"], "succeeded", 60)
+    bad = api.http.post("/v1/tasks/batch", json={"tasks": [{"command": ["true"]}, {"command": []}]})
+    assert bad.status_code == 422 and "tasks.1" in bad.json()["error"]
+    assert len(api.http.get("/v1/tasks", params={"limit": 1000}).json()) == 20

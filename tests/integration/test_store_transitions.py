@@ -120,3 +120,24 @@ async def test_idempotency_key_returns_the_same_task(store: Store) -> None:
         await store.submit(TaskSpec(command=["false"]), idempotency_key="k")
     async with store.pool.acquire() as c:
         assert await c.fetchval("SELECT count(*) FROM tasks") == 1
+
+
+async def test_a_batch_is_stored_whole_or_not_at_all(store: Store) -> None:
+    from podium.errors import Conflict
+    from podium.spec import TaskSpec
+
+    first, _ = await store.submit(TaskSpec(command=["true"]), idempotency_key="k1")
+    out = await store.submit_many(
+        [(TaskSpec(command=["true"]), "k1"), (TaskSpec(command=["echo", "a"]), "k2"), (TaskSpec(command=["echo", "b"]), None)],
+        actor="test",
+    )
+    assert [created for _r, created in out] == [False, True, True]
+    assert out[0][0]["id"] == first["id"]
+    async with store.pool.acquire() as c:
+        assert await c.fetchval("SELECT count(*) FROM tasks") == 3
+        assert await c.fetchval("SELECT count(*) FROM task_events") == 3
+        assert await c.fetchval("SELECT count(*) FROM audit_log WHERE action = 'task.submit'") == 3
+    with pytest.raises(Conflict):
+        await store.submit_many([(TaskSpec(command=["echo", "c"]), "k3"), (TaskSpec(command=["false"]), "k2")], actor="test")
+    async with store.pool.acquire() as c:
+        assert await c.fetchval("SELECT count(*) FROM tasks") == 3  # nothing of the refused batch

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from podium import __version__
 from podium.api.models import (
-    AuditOut, ErrorOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeOut, SubmitNamedIn, SubmitResponse,
+    AuditOut, BatchIn, ErrorOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
 )  # fmt: skip
 from podium.errors import Conflict, Forbidden, InvalidRequest, NotFound, StoreUnavailable, Unauthorized
@@ -136,17 +136,26 @@ def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAP
     @app.post("/v1/tasks", response_model=SubmitResponse, status_code=201, responses=_ERRORS)
     async def submit(body: SubmitRequest, who: Operator) -> Any:
         """Submit a task. With an `idempotency_key` already used, returns that task (200) instead."""
-        missing = await security.missing_secrets([r.name for r in body.secrets])
+        missing = await security.missing_secrets([r.name for r in body.secrets]) if body.secrets else []
         if missing:
             raise InvalidRequest(
                 f"secrets: {', '.join(repr(m) for m in missing)} do{'es' if len(missing) == 1 else ''} not exist; "
                 "create them with `podium secret set NAME` first"
             )
         row, created = await store.submit(body.task_spec(), idempotency_key=body.idempotency_key, actor=who.actor)
-        if created:
-            await audit(who, "task.submit", str(row["id"]), name=row["name"])
         resp = SubmitResponse(task=task_out(row), created=created)
         return JSONResponse(json.loads(resp.model_dump_json()), status_code=201 if created else 200)
+
+    @app.post("/v1/tasks/batch", response_model=list[SubmitResponse], responses=_ERRORS)
+    async def submit_batch(body: BatchIn, who: Operator) -> list[SubmitResponse]:
+        """Submit up to 1,000 tasks in one transaction: all are stored, or none (a reused idempotency
+        key with a different spec refuses the whole batch). Each answer is what a single submit gives."""
+        names = sorted({r.name for t in body.tasks for r in t.secrets})
+        missing = await security.missing_secrets(names) if names else []
+        if missing:
+            raise InvalidRequest(f"secrets: {', '.join(repr(m) for m in missing)} do not exist; create them first")
+        rows = await store.submit_many([(t.task_spec(), t.idempotency_key) for t in body.tasks], actor=who.actor)
+        return [SubmitResponse(task=task_out(r), created=c) for r, c in rows]
 
     @app.get("/v1/tasks", response_model=list[TaskOut], responses=_ERRORS)
     async def list_tasks(
@@ -224,8 +233,6 @@ def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAP
     async def submit_spec(name: str, body: SubmitNamedIn, who: Operator) -> Any:
         """Submit the named spec. With `revision`, refused (409) unless that is still the current one."""
         row, created = await store.submit_named(_name(name), body.revision, idempotency_key=body.idempotency_key, actor=who.actor)
-        if created:
-            await audit(who, "task.submit", str(row["id"]), spec=name, revision=row["spec_revision"])
         resp = SubmitResponse(task=task_out(row), created=created)
         return JSONResponse(json.loads(resp.model_dump_json()), status_code=201 if created else 200)
 

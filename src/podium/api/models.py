@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from podium.security.tokens import Role
-from podium.spec import validate_labels
+from podium.spec import MAX_BATCH, SubmitRequest, validate_labels
 
 from podium.states import TERMINAL, TaskState
 
@@ -156,6 +156,12 @@ class SubmitNamedIn(BaseModel):
 
     revision: int | None = Field(default=None, ge=1, description="refuse unless this is the current revision")
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
+
+
+class BatchIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tasks: list[SubmitRequest] = Field(min_length=1, max_length=MAX_BATCH)
 
 
 class TokenIn(BaseModel):

@@ -48,6 +48,7 @@ class Session:
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sync_again: bool = False
     revoked: bool = False
+    last_ack: float = float("-inf")  # loop time of the last HeartbeatAck sent
 
     def send(self, msg: pb.ServerMessage) -> None:
         self.out.put_nowait(msg)
@@ -96,9 +97,14 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 # not acknowledged: the nodes' leases are not renewed, which is the truth
                 log.warning("heartbeats not recorded: %s", e)
                 continue
+            now = asyncio.get_running_loop().time()
             for node_id, (sess, seq) in beats.items():
                 s = self.sessions.get(node_id)
-                if s is not None and s.session == sess:
+                # An ack renews the node's lease for fence_after from that heartbeat; acking every
+                # one would be thousands of writes a second on a large fleet for no gain, so a node
+                # is acked when its last ack is a quarter of the lease old.
+                if s is not None and s.session == sess and now - s.last_ack >= self.fence_after / 4:
+                    s.last_ack = now
                     s.send(pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(seq=seq)))
 
     async def log_loop(self) -> None:
@@ -388,8 +394,9 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                     break  # already recorded (a resend after reconnect): just acknowledge
                 self.events_rejected += 1
                 log.warning(
-                    "node %s: rejected %s for task %s with fencing token %d (current: %s)",
-                    s.node_id, kind, ev.task_id, ev.fencing_token, None if row is None else row["fencing_token"],
+                    "node %s: rejected %s for task %s with fencing token %d (the task is %s, token %s, on node %s)",
+                    s.node_id, kind, ev.task_id, ev.fencing_token, None if row is None else row["state"],
+                    None if row is None else row["fencing_token"], None if row is None else row["node_id"],
                 )  # fmt: skip
                 if not final:
                     s.send(pb.ServerMessage(cancel=pb.Cancel(

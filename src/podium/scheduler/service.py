@@ -221,7 +221,7 @@ class Scheduler:
             stop=step.stop,
         )
         if result is not None:
-            log.info("task %s: %s → %s (%s)", task_id, from_, step.to, step.reason or "-")
+            log.debug("task %s: %s → %s (%s)", task_id, from_, step.to, step.reason or "-")
         return result
 
     async def sweep(self) -> None:

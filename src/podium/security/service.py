@@ -53,7 +53,7 @@ def validate_registry_host(host: str) -> str:
 class Security:
     def __init__(self, store: Store, box: SecretBox) -> None:
         self.store = store
-        self.box = box
+        self.box = box  # also used by the gateway's own Security, over its own pool
 
     # ---- operators --------------------------------------------------------------------------
 

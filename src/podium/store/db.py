@@ -73,6 +73,13 @@ class DispatchOutcome:
 Decider = Callable[[list[asyncpg.Record], list[asyncpg.Record]], tuple[list[PlacementDecision], dict[uuid.UUID, str]]]
 
 
+async def _light_reset(_conn: asyncpg.Connection) -> None:
+    """What a pooled connection needs between uses beyond asyncpg's own rollback of an open
+    transaction: nothing. Pool connections never LISTEN (listeners have their own), never SET and
+    never keep an advisory lock, so the default reset's four statements would be a round trip of
+    pure overhead on every query."""
+
+
 def _init_connection(conn: asyncpg.Connection) -> Any:
     return conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
@@ -87,7 +94,7 @@ class Store:
     async def connect(cls, dsn: str, *, min_size: int = 2, max_size: int = 10) -> Store:
         try:
             pool = await asyncpg.create_pool(
-                dsn, min_size=min_size, max_size=max_size, init=_init_connection, command_timeout=60
+                dsn, min_size=min_size, max_size=max_size, init=_init_connection, reset=_light_reset, command_timeout=60
             )
         except CONNECTION_ERRORS as e:
             raise StoreUnavailable(f"cannot connect to PostgreSQL: {e}") from e
@@ -131,43 +138,62 @@ class Store:
         spec_name: str | None = None,
         spec_revision: int | None = None,
     ) -> tuple[asyncpg.Record, bool]:
-        """Store a new queued task. With an idempotency key already used, return that task instead
-        (created=False); the same key with a different spec is a Conflict."""
+        """Store a new queued task (with its first event and its audit entry). With an idempotency
+        key already used, return that task instead (created=False); the same key with a different
+        spec is a Conflict."""
         spec_json = json.loads(spec.model_dump_json())
-        task_id = uuid.uuid4()
         async with self._conn() as conn:
             row = await conn.fetchrow(
                 self.q["insert_task"],
-                task_id,
-                spec.name,
-                spec_json,
-                reasons.WAITING,
-                spec.priority,
-                spec.resources.cpu,
-                spec.resources.memory,
-                spec.resources.disk,
-                spec.resources.gpus,
-                spec.timeout,
-                spec.max_attempts,
-                spec.requeue_on_node_loss,
-                idempotency_key,
-                actor,
-                spec_name,
-                spec_revision,
-            )
+                uuid.uuid4(), spec.name, spec_json, reasons.WAITING, spec.priority, spec.resources.cpu,
+                spec.resources.memory, spec.resources.disk, spec.resources.gpus, spec.timeout, spec.max_attempts,
+                spec.requeue_on_node_loss, idempotency_key, actor, spec_name, spec_revision,
+            )  # fmt: skip
             if row is not None:
-                task = await conn.fetchrow(self.q["get_task"], task_id)
-                assert task is not None
-                return task, True
+                return row, True
             existing = await conn.fetchrow(self.q["task_by_idempotency_key"], idempotency_key)
+        return self._same_submission(existing, idempotency_key, spec_json), False
+
+    @staticmethod
+    def _same_submission(existing: asyncpg.Record | None, key: str | None, spec_json: Any) -> asyncpg.Record:
         if existing is None:  # the first submit's row was pruned between the two statements
-            raise Conflict(f"idempotency key {idempotency_key!r} was used by a task that no longer exists")
+            raise Conflict(f"idempotency key {key!r} was used by a task that no longer exists")
         if existing["spec"] != spec_json:
             raise Conflict(
-                f"idempotency key {idempotency_key!r} was already used for a different spec "
+                f"idempotency key {key!r} was already used for a different spec "
                 f"(task {existing['id']}); use a new key for a new task"
             )
-        return existing, False
+        return existing
+
+    async def submit_many(
+        self, items: Sequence[tuple[TaskSpec, str | None]], *, actor: str
+    ) -> list[tuple[asyncpg.Record, bool]]:
+        """Many submissions in one statement and one commit; per item the same answer `submit` gives.
+        The whole batch is refused (nothing stored) if any item reuses a key for a different spec."""
+        specs = [json.loads(spec.model_dump_json()) for spec, _key in items]
+        keys = [key for _spec, key in items]
+        dup = {k for k in keys if k is not None and keys.count(k) > 1}
+        if dup:
+            raise Conflict(f"idempotency keys {sorted(dup)} appear more than once in this batch")
+        ids = [uuid.uuid4() for _ in items]
+        cols = [
+            ids, [s.name for s, _ in items], specs, [s.priority for s, _ in items],
+            [s.resources.cpu for s, _ in items], [s.resources.memory for s, _ in items],
+            [s.resources.disk for s, _ in items], [s.resources.gpus for s, _ in items],
+            [s.timeout for s, _ in items], [s.max_attempts for s, _ in items],
+            [s.requeue_on_node_loss for s, _ in items], keys,
+        ]  # fmt: skip
+        async with self._conn() as conn, conn.transaction():
+            rows = {r["id"]: r for r in await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor)}
+            missing = [k for i, k in zip(ids, keys, strict=True) if i not in rows]
+            existing = {r["idempotency_key"]: r for r in await conn.fetch(self.q["tasks_by_idempotency_keys"], missing)} if missing else {}
+            out = []
+            for tid, key, spec_json in zip(ids, keys, specs, strict=True):
+                if tid in rows:
+                    out.append((rows[tid], True))
+                else:
+                    out.append((self._same_submission(existing.get(key), key, spec_json), False))
+        return out
 
     # ---- named specs ----------------------------------------------------------------------------
 
