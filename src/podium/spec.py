@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_serializer, field_validator, model_validator,
+)  # fmt: skip
 
 from podium.units import parse_cpu, parse_duration, parse_size
 
@@ -36,9 +38,15 @@ def _seconds(v: Any) -> float | None:
     return None if v is None else parse_duration(v)
 
 
-CpuMillis = Annotated[int, BeforeValidator(_millis)]
-Bytes = Annotated[int, BeforeValidator(_bytes)]
-Seconds = Annotated[float | None, BeforeValidator(_seconds)]
+# The JSON schema says what is accepted (a number or a string with a unit), not the parsed type.
+_NUMBER_OR_TEXT = {"anyOf": [{"type": "number", "minimum": 0}, {"type": "string", "maxLength": 64}]}
+CpuMillis = Annotated[int, BeforeValidator(_millis), WithJsonSchema({**_NUMBER_OR_TEXT, "description": "cores (0.5) or millicores (500m)"})]
+Bytes = Annotated[int, BeforeValidator(_bytes), WithJsonSchema({**_NUMBER_OR_TEXT, "description": "bytes, or 512Mi / 2G"})]
+Seconds = Annotated[
+    float | None,
+    BeforeValidator(_seconds),
+    WithJsonSchema({"anyOf": [*_NUMBER_OR_TEXT["anyOf"], {"type": "null"}], "description": "seconds, or 30s / 5m / 1h30m"}),
+]
 
 
 def validate_labels(labels: dict[str, str], what: str = "label") -> dict[str, str]:

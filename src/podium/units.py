@@ -24,8 +24,14 @@ _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_BYTES = 2**62
 
 
+def _kind_check(value: object, what: str, example: str) -> None:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ValueError(f"{what} must be a number or a string like {example}, not {type(value).__name__}")
+
+
 def parse_size(value: str | int | float) -> int:
     """`512Mi`, `2G`, `1.5GiB`, `1048576` → bytes."""
+    _kind_check(value, "a size", "512Mi or 2G")
     if isinstance(value, bool):
         raise ValueError("a size must be a number of bytes or a string like 512Mi or 2G, not a boolean")
     if isinstance(value, (int, float)):
@@ -50,6 +56,7 @@ def _bounded(n: int, original: object) -> int:
 
 def parse_cpu(value: str | int | float) -> int:
     """Cores as a number (`0.5`, `2`) or millicores (`500m`) → millicores."""
+    _kind_check(value, "CPU", "0.5 or 500m")
     if isinstance(value, bool):
         raise ValueError("CPU must be a number of cores like 0.5 or millicores like 500m, not a boolean")
     if isinstance(value, str):
@@ -72,6 +79,7 @@ def parse_cpu(value: str | int | float) -> int:
 
 def parse_duration(value: str | int | float) -> float:
     """`30s`, `5m`, `1h30m`, `250ms`, or a number of seconds → seconds."""
+    _kind_check(value, "a duration", "30s or 5m")
     if isinstance(value, bool):
         raise ValueError("a duration must be seconds or a string like 30s, 5m or 1h30m, not a boolean")
     if isinstance(value, (int, float)):

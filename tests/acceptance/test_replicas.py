@@ -4,15 +4,19 @@ fast timers (PODIUM_TEST_FAST_TIMERS=1: heartbeat 1s, unreachable 3s, offline 12
 
 Every test checks the same promises, from two sides:
 - the database's story: every task `succeeded`, exactly one `succeeded` event and one `exited`
-  attempt per task, every reservation given back, no CHECK violation ever logged;
+  attempt per task, every reservation given back, no CHECK violation or dead loop ever logged;
 - the agents' ground truth (their journals): no task started twice, never two attempts of a task at
   once, and never more processes running on a node than it has slots.
+
+The tests: three replicas and twenty agents running 2,000 tasks (placement by several replicas,
+delivery across replicas); a replica SIGKILLed and another SIGSTOPped between its read and its write
+mid-run; the sharp form of that pause (stopped right after pushing an Assign); replicas whose clocks
+are ten minutes off (libfaketime); an idempotent submit retried on another replica.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import shutil
 import signal
@@ -20,10 +24,10 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -32,9 +36,15 @@ import psutil
 import pytest
 
 from podium.timing import timing_from_env
-from tests.acceptance.conftest import Cluster
 from tests import harness
-from tests.harness import Agent, Server, assert_at_most_one_attempt_at_once, attempt_intervals, wait_for
+from tests.acceptance.conftest import Cluster
+from tests.harness import (
+    Agent,
+    Server,
+    assert_at_most_one_attempt_at_once,
+    attempt_intervals,
+    wait_for,
+)
 
 T = timing_from_env({"PODIUM_TEST_FAST_TIMERS": "1"})
 TERMINAL = ("succeeded", "failed", "cancelled", "lost")
@@ -43,7 +53,7 @@ NODE_CONNECTED = re.compile(r"node (\S+) \((\S+)\) connected, session (\d+)")
 AGENT_CONNECTED = re.compile(r"connected to (\S+) \(server (\S+)\)")
 
 
-# ---- the database, read directly: 2,000 tasks through the REST API one by one would be slow -------
+# ---- the API's token, and the database read directly (2,000 tasks one by one over REST is slow) ----
 
 
 def auth(api: str) -> dict[str, str]:
@@ -122,7 +132,12 @@ def submit_all(apis: list[str], specs: list[dict[str, Any]], concurrency: int = 
                     await asyncio.sleep(0.1)
 
         try:
-            await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
+            # a TaskGroup: one failure cancels the rest before the clients close
+            async with asyncio.TaskGroup() as tg:
+                for i, s in enumerate(specs):
+                    tg.create_task(one(i, s))
+        except ExceptionGroup as eg:
+            raise eg.exceptions[0] from None
         finally:
             for c in clients.values():
                 await c.aclose()
@@ -245,8 +260,8 @@ def assert_invariants(cluster: Cluster, agents: list[Agent], slots: int, states:
         out = s.output()
         for line in out.splitlines():
             # a reservation that would break the CHECK, a claimed row that moved, a loop that died
-            assert not re.search(r"violates check constraint|changed state under its row lock|stopping the server|"
-                                 r"deadlock detected", line), f"{s.log_path.name}: {line}"  # fmt: skip
+            assert not re.search(r"violates check constraint|changed state under its row lock|stopping the server",
+                                 line), f"{s.log_path.name}: {line}"  # fmt: skip
 
     # ground truth: what the agents actually ran
     succeeded = {str(r["task_id"]): r["fencing_token"] for r in sql(url, """
@@ -285,7 +300,21 @@ def true_specs(tag: str, n: int, command: list[str], **extra: Any) -> list[dict[
 
 # ---- the tests -----------------------------------------------------------------------------------
 
+# Product bugs these tests found (see the report that came with this file); each xfail is strict, so the
+# test turns red once the bug is fixed and the marker must go.
+DEADLOCK = (
+    "replicas deadlock on `nodes` rows (reserve_capacity, the heartbeat flush and mark_unreachable update "
+    "several node rows in no fixed order) and DeadlockDetectedError is not retried: the dispatch, "
+    "heartbeat or watchdog loop dies and takes its whole server down (LoopDied)"
+)
+REVOKED_BUT_RUNNING = (
+    "an Assign the agent received and started is revoked by the accept deadline when its 'provisioning' "
+    "is not recorded within it (holder replica paused or slow, 1.5s with fast timers): the task is placed "
+    "again and runs twice, concurrently; the agent starts an attempt before the server has accepted it"
+)
 
+
+@pytest.mark.xfail(strict=True, reason=f"{DEADLOCK}; {REVOKED_BUT_RUNNING}")
 def test_three_replicas_twenty_agents(cluster: Cluster) -> None:
     url = cluster.db_url
     assert url is not None
@@ -297,25 +326,28 @@ def test_three_replicas_twenty_agents(cluster: Cluster) -> None:
     n = 2000
     t0 = time.monotonic()
     sub = submit_all([s.api for s in servers], true_specs("many", n, ["true"]), live=lambda: check_alive(servers))
-    assert len(set(sub.ids.values())) == n and sub.retries == 0
+    # one task per key, whichever replica answered (a timed-out POST is retried on the next one)
+    assert len(set(sub.ids.values())) == n
     assert all(sub.answered_by[s.api] > 0 for s in servers)
     wait_all_ended(url, n, 180, live=servers)
     elapsed = time.monotonic() - t0
 
     assert_invariants(cluster, agents, slots, {"succeeded": n})
-    # no fault here: every task ran on the first node it was given
-    assert sql_val(url, "SELECT count(*) FROM attempts") == n
 
-    # every replica placed work, and work placed by one replica ran on nodes whose stream another held
+    # the agents were spread: each one's first stream went to the replica it lists first
+    first = [agent_connections(a)[0][1] for a in agents]
+    assert first == [sids[i % 3] for i in range(20)], first
+    # every replica placed work, and work placed by one replica ran on nodes whose stream another
+    # held (the servers' logs say which replica accepted which node's stream; a node that reconnected
+    # during the run is left out, its holder at the time being ambiguous)
     conns = node_connections(servers)
-    holder = {node: sid for node, sid, _sess in conns}
-    assert len(conns) == len(holder) == 20, f"each agent connected exactly once: {conns}"
-    assert Counter(holder.values()) == Counter({sid: len(range(k, 20, 3)) for k, sid in enumerate(sids)})
+    sessions = Counter(node for node, _sid, _sess in conns)
+    holder = {node: sid for node, sid, _sess in conns if sessions[node] == 1}
     placed = placements(url)
     by_replica = Counter(sid for _t, sid, _n in placed)
     assert set(by_replica) <= set(sids)
     assert len(by_replica) >= 2, f"only one replica placed anything: {by_replica}"
-    crossed = sum(1 for _t, sid, node in placed if holder[node] != sid)
+    crossed = sum(1 for _t, sid, node in placed if node in holder and holder[node] != sid)
     assert crossed > 0, "no assignment was delivered by a replica other than the one that placed it"
     print(f"\n{n} tasks in {elapsed:.1f}s (submitted in {sub.seconds:.1f}s); placed by {dict(by_replica)}; "
           f"{crossed} delivered by another replica")  # fmt: skip
@@ -407,6 +439,7 @@ def count_state(url: str, state: str) -> int:
 PAUSE = 2.0
 
 
+@pytest.mark.xfail(strict=True, reason=f"{DEADLOCK}; {REVOKED_BUT_RUNNING}")
 def test_replica_killed_and_another_paused_mid_run(cluster: Cluster) -> None:
     url = cluster.db_url
     assert url is not None
@@ -455,6 +488,7 @@ def test_replica_killed_and_another_paused_mid_run(cluster: Cluster) -> None:
     # SIGSTOP replica 1 (now holding six agents) between its read and its write, while work is queued
     assert count_state(url, "queued") > 0, "the run finished before the pause: give it more work"
     paused = pause_between_read_and_write(servers[1], url, PAUSE)
+    assert paused.caught, f"never caught replica 1 inside a dispatch transaction ({paused.tries} tries)"
 
     submitter.join(180)
     assert not errors, errors
@@ -471,6 +505,7 @@ def test_replica_killed_and_another_paused_mid_run(cluster: Cluster) -> None:
           f"{sub.retries} submit retries")  # fmt: skip
 
 
+@pytest.mark.xfail(strict=True, reason=REVOKED_BUT_RUNNING)
 def test_assign_delivered_just_before_its_replica_pauses_runs_once(cluster: Cluster) -> None:
     """The sharp form of the pause: the replica holding a node's stream pushes an Assign and stops
     before it has recorded the node's "provisioning". The agent has the Assign and starts the task; the
@@ -542,7 +577,7 @@ def faketime_env(offset: str) -> dict[str, str]:
 
 def log_clock_offset(s: Server) -> float:
     """How far the server's wall clock is from ours: its log lines carry its own time."""
-    m = wait_for(lambda: re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*Podium server", s.output(), re.M), 30)
+    m = wait_for(lambda: re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*Podium server", s.output(), re.MULTILINE), 30)
     logged = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
     return logged - s.log_path.stat().st_mtime  # the log was written at about that instant, by our clock
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from podium import reasons
+from podium.errors import NotFound
 from podium.scheduler import policy
 from podium.scheduler.service import Scheduler, facts
 from podium.spec import TaskSpec
@@ -60,7 +62,8 @@ def _rows(records: list[Any]) -> list[dict[str, Any]]:
 class World:
     """Everything stored, read in one go."""
 
-    def __init__(self, now: Any, tasks: list[dict], attempts: list[dict], events: list[dict], nodes: list[dict]) -> None:
+    def __init__(self, now: Any, tasks: list[dict], attempts: list[dict], events: list[dict], nodes: list[dict],
+                 gpu_claims: list[dict]) -> None:  # fmt: skip
         self.now = now
         self.tasks = {t["id"]: t for t in tasks}
         self.attempts: dict[uuid.UUID, list[dict]] = defaultdict(list)
@@ -70,7 +73,8 @@ class World:
         for e in events:
             self.events[e["task_id"]].append(e)
         self.nodes = {n["id"]: n for n in nodes}
-        self.raw = (tasks, attempts, events, nodes)
+        self.gpu_claims = {(g["node_id"], g["gpu_index"], g["fencing_token"]) for g in gpu_claims}
+        self.raw = (tasks, attempts, events, nodes, gpu_claims)
 
 
 async def read_world(store: Store) -> World:
@@ -80,7 +84,8 @@ async def read_world(store: Store) -> World:
         attempts = _rows(await c.fetch("SELECT * FROM attempts ORDER BY task_id, attempt"))
         events = _rows(await c.fetch("SELECT * FROM task_events ORDER BY task_id, id"))
         nodes = _rows(await c.fetch("SELECT * FROM nodes ORDER BY id"))
-    return World(now, tasks, attempts, events, nodes)
+        gpu_claims = _rows(await c.fetch("SELECT * FROM gpu_claims ORDER BY node_id, gpu_index"))
+    return World(now, tasks, attempts, events, nodes, gpu_claims)
 
 
 def check_invariants(w: World) -> None:  # noqa: C901 - one list of promises, read top to bottom
@@ -107,11 +112,21 @@ def check_invariants(w: World) -> None:  # noqa: C901 - one list of promises, re
         else:
             assert not live, f"{where} still holds live attempt {live[0]['fencing_token']} on {live[0]['node_id']}"
             assert t["node_id"] is None, f"{where} still names node {t['node_id']}"
+        if st_ == S.QUEUED:
+            # a task is only ever requeued with attempts left: queued means it will be placed again
+            assert t["attempts"] < t["max_attempts"], f"{where} is queued with {t['attempts']}/{t['max_attempts']} attempts used"
         for a in atts:
             if a["released"]:
                 assert a["state"] not in ATTEMPT_LIVE and a["finished_at"] is not None, f"{where}: released attempt {a}"
             else:
                 assert a["state"] in ATTEMPT_LIVE, f"{where}: unreleased attempt in state {a['state']}"
+            if a["state"] in ("revoked", "lost"):
+                # taken back by the server: the node, wherever it is, must be told to drop it
+                assert a["stop_requested_at"] is not None, f"{where}: attempt {a['fencing_token']} {a['state']} without a stop"
+        if st_ == S.SUCCEEDED:
+            assert t["exit_code"] == 0 and atts and atts[-1]["state"] == "exited" and atts[-1]["exit_code"] == 0, (
+                f"{where}: succeeded without a clean exit (task exit {t['exit_code']}, attempts {atts})"
+            )
 
         # ---- nothing stranded ------------------------------------------------------------------------
         if st_ == S.ASSIGNED:
@@ -146,6 +161,12 @@ def check_invariants(w: World) -> None:  # noqa: C901 - one list of promises, re
         assert evs[-1]["to_state"] == st_, f"{where}: history ends in {evs[-1]['to_state']}"
         assign_tokens = [e["fencing_token"] for e in evs if e["to_state"] == "assigned"]
         assert assign_tokens == tokens, f"{where}: assignments {assign_tokens} vs attempts {tokens}"
+        for e in evs:
+            if e["from_state"] in ON_NODE:
+                # a step off a node-state is taken under the attempt's token, and the latest one
+                assert e["fencing_token"] in tokens, f"{where}: event {e['from_state']} → {e['to_state']} carries token {e['fencing_token']}"
+        ev_tokens = [e["fencing_token"] for e in evs if e["fencing_token"] is not None]
+        assert ev_tokens == sorted(ev_tokens), f"{where}: history goes back to an older token: {ev_tokens}"
 
     # ---- every attempt belongs to a task --------------------------------------------------------
     assert set(w.attempts) <= set(w.tasks), "attempts of unknown tasks"
@@ -165,6 +186,21 @@ def check_invariants(w: World) -> None:  # noqa: C901 - one list of promises, re
         assert res == held[nid], f"node {nid}: reserved {res} but its live attempts hold {held[nid]}"
         assert all(0 <= r <= al for r, al in zip(res, alloc, strict=True)), f"node {nid}: reserved {res} > allocatable {alloc}"
     assert set(held) <= set(w.nodes), f"live attempts on unknown nodes {set(held) - set(w.nodes)}"
+
+    # ---- GPU indexes: each held by one live attempt at most, and claimed exactly while held -------
+    holding: set[tuple[str, int, int]] = set()
+    for atts in w.attempts.values():
+        for a in atts:
+            if a["released"]:
+                continue
+            idx = list(a["gpu_indexes"])
+            assert len(idx) == a["gpus"], f"attempt {a['fencing_token']} asks {a['gpus']} GPUs, holds indexes {idx}"
+            assert set(idx) <= set(w.nodes[a["node_id"]]["gpu_indexes"]), f"attempt {a['fencing_token']}: GPU {idx} not on its node"
+            for g in idx:
+                clash = [h for h in holding if h[:2] == (a["node_id"], g)]
+                assert not clash, f"GPU {g} on {a['node_id']} is held by attempts {clash[0][2]} and {a['fencing_token']}"
+                holding.add((a["node_id"], g, a["fencing_token"]))
+    assert w.gpu_claims == holding, f"GPU claims {sorted(w.gpu_claims)} but live attempts hold {sorted(holding)}"
 
 
 def check_nothing_overdue(w: World) -> None:
@@ -193,14 +229,14 @@ def check_nothing_overdue(w: World) -> None:
             assert t["cancel_requested_at"] >= now - timedelta(seconds=T.cancel_grace), f"{where}: CancelGrace passed"
 
 
-async def hello(store: Store, node_id: str, slots: int, cpu: int = 2000) -> Any:
-    row = await store.node_hello(
+async def hello(store: Store, node_id: str, slots: int, gpus: int, cpu: int = 2000) -> Any:
+    """A node's Hello, as the gateway records it. None if the node was removed from the fleet."""
+    return await store.node_hello(
         node_id=node_id, name=node_id, pool="default", arch="x86_64", labels={}, capabilities=[],
-        backends=["process"], artifacts=[], protocol_min=1, protocol_max=1, gpu_indexes=[], cpu_millis=cpu,
-        memory_bytes=4 * GiB, disk_bytes=10 * GiB, gpus=0, slots=slots, gateway_id="model", agent_version="model",
+        backends=["process"], artifacts=[], protocol_min=1, protocol_max=1, gpu_indexes=list(range(gpus)),
+        cpu_millis=cpu, memory_bytes=4 * GiB, disk_bytes=10 * GiB, gpus=gpus, slots=slots, gateway_id="model",
+        agent_version="model",
     )  # fmt: skip
-    assert row is not None
-    return row
 
 
 # ---- the actions ------------------------------------------------------------------------------------
@@ -211,12 +247,14 @@ async def hello(store: Store, node_id: str, slots: int, cpu: int = 2000) -> Any:
 @dataclass(frozen=True)
 class Submit:
     cpu: int
+    gpus: int
     max_attempts: int
     requeue: bool
     timeout: float | None
 
     def __repr__(self) -> str:
-        return f"Submit(cpu={self.cpu}m, max_attempts={self.max_attempts}, requeue={self.requeue}, timeout={self.timeout})"
+        gpus = f", gpus={self.gpus}" if self.gpus else ""
+        return f"Submit(cpu={self.cpu}m{gpus}, max_attempts={self.max_attempts}, requeue={self.requeue}, timeout={self.timeout})"
 
 
 @dataclass(frozen=True)
@@ -254,12 +292,14 @@ class Cancel:
 
 @dataclass(frozen=True)
 class DeadlinePasses:
+    """One of the deadlines that matter in a task's state passes (its time is moved an hour back)."""
+
     task: int
-    column: str  # one of DEADLINE_COLUMNS, never data
+    which: int  # which of the deadlines that matter in the task's state
     then_sweep: bool
 
     def __repr__(self) -> str:
-        return f"DeadlinePasses(t{self.task}, {self.column}{', then Sweep' if self.then_sweep else ''})"
+        return f"DeadlinePasses(t{self.task}/{self.which}{', then Sweep' if self.then_sweep else ''})"
 
 
 @dataclass(frozen=True)
@@ -281,25 +321,71 @@ class NodeBack:
         return f"NodeBack(n{self.node}, slots={self.slots}{', forgot its tasks' if self.forgot else ''})"
 
 
-DEADLINE_COLUMNS = ("accept_deadline", "lease_expires_at", "started_at", "cancel_requested_at")
-KINDS = (policy.PROVISIONING, policy.RUNNING, policy.EXITED, policy.FAILED_RETRYABLE, policy.NOT_RUNNING)
+@dataclass(frozen=True)
+class Drain:
+    node: int
+    draining: bool
+
+    def __repr__(self) -> str:
+        return f"Drain(n{self.node}, {self.draining})"
+
+
+@dataclass(frozen=True)
+class Revoke:
+    """An operator removes a node from the fleet, as the API does: revoke, then the node-loss policy."""
+
+    node: int
+
+    def __repr__(self) -> str:
+        return f"Revoke(n{self.node})"
+
+
+@dataclass(frozen=True)
+class Race:
+    """Two things at once, as two servers (or a server and a node) would do them: each runs on its own
+    pooled connection and the event loop interleaves them wherever they wait on the database. Only
+    the invariants are checked after a race; either may win."""
+
+    first: Any
+    second: Any
+
+    def __repr__(self) -> str:
+        return f"Race({self.first!r} ∥ {self.second!r})"
+
+
+# The stored times the watchdog reads, by the state in which moving each back makes it act. Names
+# from this table are the only ones ever put into SQL.
+DEADLINES = {
+    "assigned": ("accept_deadline", "lease_expires_at"),
+    "provisioning": ("lease_expires_at",),
+    "running": ("started_at", "lease_expires_at"),  # the timeout, then the lease (both only with a timeout)
+    "cancelling": ("cancel_requested_at",),
+}
+
+
+def _deadlines(task: dict[str, Any]) -> list[str]:
+    return [c for c in DEADLINES.get(task["state"], ()) if task[c] is not None and not (c == "started_at" and task["timeout_seconds"] is None)]
+
+
+# what a node reports, weighted towards the ones that move a task forward
+KINDS = (policy.PROVISIONING,) * 2 + (policy.RUNNING,) * 3 + (policy.EXITED,) * 2 + (policy.FAILED_RETRYABLE, policy.NOT_RUNNING)
 # how a report is signed: the task's current token from its own node (most of the time), an older
 # token of the task, a token that never existed, or the current token from a node that does not hold it
-SIGNERS = ("current", "current", "current", "current", "stale", "bogus", "wrong_node")
+SIGNERS = ("current",) * 6 + ("stale", "bogus", "wrong_node")
 
 _task = st.integers(0, MAX_TASKS - 1)
 _node = st.integers(0, len(NODE_IDS) - 1)
-_submit = st.builds(Submit, st.sampled_from([250, 1000, 1500, 2500]), st.integers(1, 3), st.booleans(),
-                    st.sampled_from([None, 600.0]))  # fmt: skip
+_submit = st.builds(Submit, st.sampled_from([250, 500, 1000, 1000, 1500, 2500]), st.sampled_from([0, 0, 1]), st.integers(1, 3), st.booleans(),
+                    st.sampled_from([None, 600.0, 600.0]))  # fmt: skip
 _report = st.builds(Report, _task, st.sampled_from(KINDS), st.sampled_from([0, 1, 137]), st.sampled_from(SIGNERS),
                     st.integers(0, 2))  # fmt: skip
-_deadline = st.builds(DeadlinePasses, _task, st.sampled_from(DEADLINE_COLUMNS), st.booleans())
+_deadline = st.builds(DeadlinePasses, _task, st.integers(0, 1), st.booleans())
 # How often each happening is drawn (by repetition: sampled_from is near-uniform over positions and
 # shrinks towards the first, a dispatch tick, the most harmless thing to happen). Reports are what
 # moves tasks along; node trouble is rarer than recovery.
 WEIGHTED = (
-    ["dispatch"] * 3 + ["submit"] * 3 + ["report"] * 9 + ["cancel"] + ["sweep"] * 2 + ["deadline"] * 2
-    + ["trouble"] + ["back"]
+    ["dispatch"] * 3 + ["submit"] * 3 + ["report"] * 9 + ["cancel"] * 2 + ["sweep"] * 2 + ["deadline"] * 2
+    + ["trouble"] + ["back"] + ["drain"] + ["revoke"]
 )  # fmt: skip
 PARAMS: dict[str, st.SearchStrategy[Any]] = {
     "dispatch": st.just(Dispatch()),
@@ -310,11 +396,20 @@ PARAMS: dict[str, st.SearchStrategy[Any]] = {
     "deadline": _deadline,
     "trouble": st.builds(NodeTrouble, _node, st.sampled_from(["unreachable", "offline", "disconnect"])),
     "back": st.builds(NodeBack, _node, st.integers(1, 3), st.booleans()),
+    "drain": st.builds(Drain, _node, st.booleans()),
+    "revoke": st.builds(Revoke, _node),
 }
+_racer = st.one_of(
+    st.just(Dispatch()), st.just(Sweep()),
+    st.builds(Report, _task, st.sampled_from(KINDS), st.sampled_from([0, 1]), st.just("current"), st.just(0)),
+    st.builds(Cancel, _task), st.builds(NodeBack, _node, st.integers(1, 3), st.just(True)), st.builds(Revoke, _node),
+)  # fmt: skip
+PARAMS["race"] = st.builds(Race, _racer, _racer)
+WEIGHTED += ["race"] * 2
 ACTION = st.sampled_from(WEIGHTED).flatmap(PARAMS.__getitem__)
 # long enough to reach deep states: hypothesis's lists otherwise average a handful of elements
 PROGRAM = st.lists(ACTION, min_size=STEPS // 3, max_size=STEPS)
-FLEET = st.lists(st.integers(1, 3), min_size=2, max_size=3)  # slots per node
+FLEET = st.lists(st.tuples(st.integers(1, 3), st.integers(0, 2)), min_size=2, max_size=3)  # (slots, GPUs) per node
 
 
 class Model:
@@ -323,10 +418,13 @@ class Model:
     def __init__(self, db_url: str, loop: asyncio.AbstractEventLoop) -> None:
         self.db_url = db_url
         self.loop = loop
-        self.store: Store = self.run(Store.connect(db_url, min_size=1, max_size=3))
+        self.store: Store = self.run(Store.connect(db_url, min_size=1, max_size=4))
         self.sched = Scheduler(self.store, T, server_id="model")
+        self.other = Scheduler(self.store, T, server_id="other")  # a second server, for races
         self.tasks: list[uuid.UUID] = []
         self.nodes: list[str] = []
+        self.gpus: dict[str, int] = {}
+        self.revoked: set[str] = set()
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -352,11 +450,12 @@ class Model:
 
     # ---- setup -------------------------------------------------------------------------------------
 
-    def start(self, slots: list[int]) -> None:
+    def start(self, fleet: list[tuple[int, int]]) -> None:
         self.sql("TRUNCATE tasks, attempts, task_events, log_chunks, nodes CASCADE")
-        for nid, n in zip(NODE_IDS, slots):
-            self.run(hello(self.store, nid, n))
+        for nid, (slots, gpus) in zip(NODE_IDS, fleet):
+            assert self.run(hello(self.store, nid, slots, gpus)) is not None
             self.nodes.append(nid)
+            self.gpus[nid] = gpus
 
     # ---- one action, with its own promise checked ---------------------------------------------
 
@@ -378,13 +477,19 @@ class Model:
                 return self.node_trouble(a)
             case NodeBack():
                 return self.node_back(a)
+            case Drain():
+                return self.drain(a)
+            case Revoke():
+                return self.revoke(a)
+            case Race():
+                return self.race(a)
         raise AssertionError(f"unknown action {a!r}")
 
     def submit(self, a: Submit) -> str:
         if len(self.tasks) >= MAX_TASKS:
             return "skipped: enough tasks"
-        spec = TaskSpec(command=["true"], resources={"cpu": f"{a.cpu}m", "memory": "64Mi"}, max_attempts=a.max_attempts,
-                        requeue_on_node_loss=a.requeue, timeout=a.timeout)  # fmt: skip
+        spec = TaskSpec(command=["true"], resources={"cpu": f"{a.cpu}m", "memory": "64Mi", "gpus": a.gpus},
+                        max_attempts=a.max_attempts, requeue_on_node_loss=a.requeue, timeout=a.timeout)  # fmt: skip
         row, created = self.run(self.store.submit(spec))
         assert created and row["state"] == "queued"
         self.tasks.append(row["id"])
@@ -444,10 +549,14 @@ class Model:
         return f"{f.state} → {after.tasks[tid]['state']} (token {token} from {node}{'' if done else ', refused/no-op'})"
 
     def cancel(self, a: Cancel) -> str:
-        tid = self.task(a.task)
-        if tid is None:
+        if not self.tasks:
             return "skipped: no task"
-        before = TaskState(self.world().tasks[tid]["state"])
+        w = self.world()
+        # mostly a task that has not ended (cancelling an ended one is checked, but once is plenty)
+        alive = [t for t in self.tasks if w.tasks[t]["state"] not in TERMINAL]
+        pool = alive if alive and a.task % 4 else self.tasks
+        tid = pool[a.task % len(pool)]
+        before = TaskState(w.tasks[tid]["state"])
         after = TaskState(self.run(self.sched.cancel(tid, "operator"))["state"])
         if before == S.QUEUED:
             assert after == S.CANCELLED, f"cancelling a queued task left it {after}"
@@ -458,15 +567,16 @@ class Model:
         return f"{before} → {after}"
 
     def deadline_passes(self, a: DeadlinePasses) -> str:
-        # only a time some task has: moving a NULL would make the step a no-op. The column asked for
-        # if any task has it, else the first one any task has.
+        # only a time that means something in the task's state: moving any other would be a no-op
         w = self.world()
-        having = {c: [t for t in self.tasks if w.tasks[t][c] is not None] for c in DEADLINE_COLUMNS}
-        column = next((c for c in (a.column, *DEADLINE_COLUMNS) if having[c]), None)
-        if column is None:
-            return "skipped: no task has a deadline"
-        tid = having[column][a.task % len(having[column])]
-        self.sql(f"UPDATE tasks SET {column} = now() - interval '1 hour' WHERE id = $1", tid)  # a fixed name, never data
+        having = [t for t in self.tasks if _deadlines(w.tasks[t])]
+        if not having:
+            return "skipped: no task has a deadline that matters"
+        tid = having[a.task % len(having)]
+        columns = _deadlines(w.tasks[tid])
+        column = columns[a.which % len(columns)]
+        assert column in ("accept_deadline", "lease_expires_at", "started_at", "cancel_requested_at")
+        self.sql(f"UPDATE tasks SET {column} = now() - interval '1 hour' WHERE id = $1", tid)
         return f"t{self.tasks.index(tid)}.{column} moved an hour back" + ("; " + self.sweep() if a.then_sweep else "")
 
     def node_trouble(self, a: NodeTrouble) -> str:
@@ -482,7 +592,11 @@ class Model:
         """A Hello again, perhaps offering fewer slots. A node that lost its state reports nothing: the
         gateway's reconcile then redelivers what is `assigned` and applies the node-loss policy to the rest."""
         nid = self.node(a.node)
-        self.run(hello(self.store, nid, a.slots))
+        row = self.run(hello(self.store, nid, a.slots, self.gpus[nid]))
+        if nid in self.revoked:
+            assert row is None, f"removed node {nid} was let back in"
+            return f"{nid} refused: removed from the fleet"
+        assert row is not None
         if not a.forgot:
             return nid
         for r in self.run(self.store.tasks_on_node(nid)):
@@ -497,14 +611,119 @@ class Model:
         return nid
 
 
-def run_program(db_url: str, slots: list[int], program: list[Any]) -> None:
+    def drain(self, a: Drain) -> str:
+        nid = self.node(a.node)
+        self.run(self.store.set_draining(nid, a.draining))
+        return nid
+
+    def revoke(self, a: Revoke) -> str:
+        nid = self.node(a.node)
+        if nid in self.revoked:
+            return f"skipped: {nid} already removed"
+        if len(self.revoked) + 1 == len(self.nodes):
+            return f"skipped: {nid} is the last node in the fleet"
+        self.run(self.store.revoke_node(nid))
+        self.revoked.add(nid)
+        self.run(self.sched.node_removed(nid))
+        left = [t for t in self.run(self.store.tasks_on_node(nid))]
+        assert not left, f"tasks still on removed node {nid}: {[(r['id'], r['state']) for r in left]}"
+        return nid
+
+
+    # ---- races ----------------------------------------------------------------------------------
+
+    def race(self, a: Race) -> str:
+        w = self.world()
+        ops = [self._racer(x, w, sched) for x, sched in ((a.first, self.sched), (a.second, self.other))]
+        if any(op is None for op in ops):
+            return "skipped: nothing to race on"
+
+        async def both() -> list[Any]:
+            return await asyncio.gather(*(op() for op in ops if op is not None), return_exceptions=True)
+
+        results = self.run(both())
+        for r in results:
+            if isinstance(r, NotFound) and "kept changing state" in str(r):
+                continue  # an operator's cancel that lost ten races in a row says so: allowed
+            if isinstance(r, BaseException):
+                raise r
+        return " ∥ ".join(str(r) for r in results)
+
+    def _racer(self, a: Any, w: World, sched: Scheduler) -> Callable[[], Awaitable[Any]] | None:
+        """What starts doing `a` (targets chosen now, from `w`), or None if there is nothing to do."""
+        match a:
+            case Dispatch():
+                return sched.dispatch_once
+            case Sweep():
+                return sched.sweep
+            case Cancel():
+                tid = self.task(a.task)
+                return None if tid is None else (lambda: sched.cancel(tid, "operator"))
+            case Report():
+                on_node = [t for t in self.tasks if w.tasks[t]["state"] in ON_NODE]
+                if not on_node:
+                    return None
+                tid = on_node[a.task % len(on_node)]
+                row = w.tasks[tid]
+                return lambda: self._gateway_event(sched, tid, row["fencing_token"], row["node_id"], a.kind, a.code)
+            case NodeBack():
+                nid = self.node(a.node)
+                return None if nid in self.revoked else (lambda: self._hello_forgetting(sched, nid, a.slots))
+            case Revoke():
+                nid = self.node(a.node)
+                if nid in self.revoked or len(self.revoked) + 1 == len(self.nodes):
+                    return None
+                return lambda: self._revoke(sched, nid)
+        raise AssertionError(f"cannot race {a!r}")
+
+    async def _gateway_event(self, sched: Scheduler, tid: uuid.UUID, token: int, node: str, kind: str, code: int) -> str:
+        """What `Gateway._on_event` does with a node's report: read, refuse a stale token or a foreign
+        node, decide, compare-and-set; read again if the task moved in between."""
+        for _ in range(5):
+            row = await self.store.get_task(tid)
+            if row["fencing_token"] != token or row["node_id"] != node:
+                return f"{kind} refused (stale)"
+            f = facts(row)
+            step = policy.on_node_event(f, kind, code if kind == policy.EXITED else None, T)
+            if step is None:
+                return f"{kind}: nothing to do in {f.state}"
+            if await sched.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node):
+                return f"{kind}: {f.state} → {step.to}"
+        return f"{kind}: lost five races"
+
+    async def _hello_forgetting(self, sched: Scheduler, nid: str, slots: int) -> str:
+        """A node back without its tasks, through the gateway's reconcile."""
+        if await hello(self.store, nid, slots, self.gpus[nid]) is None:
+            return f"{nid} refused"
+        for r in await self.store.tasks_on_node(nid):
+            if r["state"] == S.ASSIGNED:
+                await self.store.redeliver([r["fencing_token"]])
+                continue
+            f = facts(await self.store.get_task(r["id"]))
+            await sched.apply(r["id"], f.state, policy.on_node_loss(f, reasons.NODE_FORGOT), actor=f"node:{nid}",
+                              fencing_token=r["fencing_token"], node_id=nid)  # fmt: skip
+        return f"{nid} back"
+
+    async def _revoke(self, sched: Scheduler, nid: str) -> str:
+        if nid in self.revoked or len(self.revoked) + 1 == len(self.nodes):
+            return f"{nid} kept: the last node in the fleet"  # the other racer removed one first
+        self.revoked.add(nid)
+        await self.store.revoke_node(nid)
+        await sched.node_removed(nid)
+        return f"{nid} removed"
+
+
+def run_program(db_url: str, fleet: list[tuple[int, int]], first: list[Submit], program: list[Any]) -> None:
+    """The fleet says hello, the `first` tasks are submitted and placed by one dispatch tick (so the
+    program starts with work on the nodes), then the program runs, checked after every step."""
     loop = asyncio.new_event_loop()
     try:
         model = Model(db_url, loop)
         try:
-            model.start(slots)
+            model.start(fleet)
             check_invariants(model.world())
-            for i, action in enumerate(program):
+            prologue = [*first, Dispatch()] if first else []
+            for i, action in enumerate(prologue + program, start=-len(prologue)):
                 outcome = model.do(action)
                 note(f"{i:2d}. {action!r}: {outcome}")
                 check_invariants(model.world())
@@ -519,6 +738,6 @@ def run_program(db_url: str, slots: list[int], program: list[Any]) -> None:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-@given(slots=FLEET, program=PROGRAM)
-def test_task_lifecycle_model(db_url: str, slots: list[int], program: list[Any]) -> None:
-    run_program(db_url, slots, program)
+@given(fleet=FLEET, first=st.lists(_submit, max_size=4), program=PROGRAM)
+def test_task_lifecycle_model(db_url: str, fleet: list[tuple[int, int]], first: list[Submit], program: list[Any]) -> None:
+    run_program(db_url, fleet, first, program)

@@ -231,8 +231,8 @@ def test_select_node_agrees_with_explain(
     scenario: tuple[list[NodeSnapshot], list[Requirements]], policy: str
 ) -> None:
     """The stored reason is the latest stage explain shows for any node, and a placement lands on a
-    node explain says fits, with the same score, and no fitting node is better by locality then
-    score."""
+    node explain says fits, with the same score, and no fitting node is better by (not avoided,
+    locality, score)."""
     fleet, (r, *_) = scenario
     result = select_node(r, fleet, policy=policy)
     rows = {v.node_id: v for v in explain(r, fleet, policy=policy)}
@@ -241,8 +241,9 @@ def test_select_node_agrees_with_explain(
         assert rows[result.node_id].score == result.score
         wanted = set(r.preferred_artifacts)
         locality = {n.id: len(wanted & n.artifacts) for n in fleet}
-        best = (locality[result.node_id], result.score)
-        assert all((locality[v.node_id], v.score) <= best for v in rows.values() if v.failed is None)
+        free = {n.id: n.id not in r.avoid_nodes for n in fleet}
+        best = (free[result.node_id], locality[result.node_id], result.score)
+        assert all((free[v.node_id], locality[v.node_id], v.score) <= best for v in rows.values() if v.failed is None)
     else:
         assert all(v.failed is not None for v in rows.values())
         latest = max((STAGE[v.failed] for v in rows.values() if v.failed), default=0)

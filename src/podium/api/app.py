@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from podium import __version__
+from podium.api.guard import RequestGuard
 from podium.api.models import (
     AuditOut, BatchIn, ErrorOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
@@ -30,11 +31,12 @@ from podium.spec import SubmitRequest, TaskSpec, validate_name
 from podium.states import TERMINAL, TaskState
 from podium.store import Store
 
-MAX_BODY = 1024 * 1024
 FOLLOW_POLL = 0.1  # seconds between reads while following logs
-_ERRORS = {
-    code: {"model": ErrorOut} for code in (401, 403, 404, 409, 413, 422, 503)
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorOut} for code in (400, 401, 403, 404, 409, 413, 422, 503)
 }
+# A submission whose idempotency key was used before answers 200 with the task that key made.
+_SUBMIT = {**_ERRORS, 200: {"model": SubmitResponse, "description": "the task an earlier submission with this idempotency key made"}}
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -45,6 +47,8 @@ def _loc(loc: tuple[Any, ...]) -> str:
 def _validation_message(exc: RequestValidationError) -> str:
     msgs = []
     for e in exc.errors():
+        if e.get("type") == "json_invalid":
+            return f"the body is not valid JSON ({e.get('ctx', {}).get('error', 'cannot be parsed')})"
         msg = str(e.get("msg", "invalid"))
         msg = msg.removeprefix("Value error, ")
         msgs.append(f"{_loc(tuple(e.get('loc', ())))}: {msg}")
@@ -118,22 +122,21 @@ def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAP
     async def _http(_r: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next: Any) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
-            return JSONResponse({"error": f"the request body is larger than {MAX_BODY} bytes"}, status_code=413)
-        return await call_next(request)
+    app.add_middleware(RequestGuard)  # type: ignore[arg-type]
 
     @app.get("/healthz", response_class=PlainTextResponse)
     async def healthz() -> str:
         return "ok"
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={c: {"model": ErrorOut, "content": {"application/json": {}}} for c in (401, 403, 503)},
+    )
     async def metrics(_who: Viewer) -> PlainTextResponse:
         return PlainTextResponse(generate_latest().decode(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/tasks", response_model=SubmitResponse, status_code=201, responses=_ERRORS)
+    @app.post("/v1/tasks", response_model=SubmitResponse, status_code=201, responses=_SUBMIT)
     async def submit(body: SubmitRequest, who: Operator) -> Any:
         """Submit a task. With an `idempotency_key` already used, returns that task (200) instead."""
         missing = await security.missing_secrets([r.name for r in body.secrets]) if body.secrets else []
@@ -229,7 +232,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAP
     async def get_spec(name: str, _who: Viewer, revision: Annotated[int | None, Query(ge=1)] = None) -> NamedSpecOut:
         return named_spec_out(await store.named_spec(_name(name), revision))
 
-    @app.post("/v1/specs/{name}/submit", response_model=SubmitResponse, status_code=201, responses=_ERRORS)
+    @app.post("/v1/specs/{name}/submit", response_model=SubmitResponse, status_code=201, responses=_SUBMIT)
     async def submit_spec(name: str, body: SubmitNamedIn, who: Operator) -> Any:
         """Submit the named spec. With `revision`, refused (409) unless that is still the current one."""
         row, created = await store.submit_named(_name(name), body.revision, idempotency_key=body.idempotency_key, actor=who.actor)
