@@ -1,29 +1,33 @@
 """A model-based test of a task's whole life, against real PostgreSQL (embedded and 15), the real
 store statements and the real Scheduler (policy + service, no fakes).
 
-Hypothesis drives random interleavings of what can happen to a small fleet (2–3 nodes, a handful of
-tasks): submissions, dispatch ticks, node reports applied the way the gateway applies them (with the
-current fencing token, a stale one, a made-up one, or from the wrong node), operator cancels, node
-silence, nodes coming back (and forgetting what they ran), and deadlines made to pass by moving the
-stored times backwards before a watchdog sweep.
+Hypothesis writes a program for a small fleet (2–3 nodes, some with GPUs, up to six tasks) and runs
+it step by step: submissions, dispatch ticks, node reports applied the way the gateway applies them
+(with the task's current fencing token, an older one, a made-up one, or from the wrong node),
+operator cancels, nodes going silent or disconnecting, coming back (perhaps having forgotten their
+tasks, which the gateway's reconcile handles), draining, removal from the fleet, deadlines made to
+pass by moving the stored times an hour back, watchdog sweeps, and races of two of these at once (as
+two servers, or a server and a node, would run them).
 
 After every step the stored truth is read back and checked:
 
 * a task never holds two live (unreleased) attempts; a task on a node holds exactly one, whose
-  fencing token and node are the task's; a queued or ended task holds none;
+  fencing token and node are the task's; a queued or ended task holds none and names no node;
 * every node's reservation is exactly the sum over its live attempts, never negative, never more
-  than it offers;
-* a task's history is one unbroken chain of allowed transitions that never leaves an ended state,
-  and ends in the task's state; its attempts' fencing tokens strictly increase;
+  than it offers; GPU claims are exactly the indexes live attempts hold, no index held twice;
+* a task's history is one unbroken chain of allowed transitions that never leaves an ended state
+  and ends in the task's state; its attempts are numbered in order, counted, within max_attempts,
+  and their fencing tokens strictly increase; a queued task has attempts left;
 * nothing is stranded: on a node-state the task names its node, `assigned` has an accept deadline,
-  `cancelling` has the time the stop was asked for.
+  `cancelling` has the time the stop was asked for; an attempt the server took back carries a stop.
 
-Each step also checks its own promise: a refused report (stale token, wrong node) changes nothing
-at all; a current one the policy has a step for goes through; a cancel ends a queued task and stops
-one on a node; and after a sweep no deadline that has passed is left unacted upon.
+Each step (outside races) also checks its own promise: a refused report changes nothing at all; a
+current one the policy has a step for goes through; a cancel ends a queued task and stops one on a
+node; a removed node keeps no task and is not let back in; and right after a sweep no deadline that
+has passed (by the database clock) is left unacted upon.
 
-Async code runs on one event loop per example, with a Store of its own on the test's database,
-emptied at the start of each example.
+Each example runs on an event loop of its own with a Store of its own on the test's database, which
+it empties first. A failing example prints as the numbered list of steps it ran, with what each did.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from hypothesis import HealthCheck, given, note, settings
@@ -45,6 +50,7 @@ from podium.scheduler.service import Scheduler, facts
 from podium.spec import TaskSpec
 from podium.states import ALLOWED, ATTEMPT_LIVE, ON_NODE, TERMINAL, TaskState
 from podium.store import Store
+from podium.store.db import DispatchOutcome
 from podium.timing import DEFAULT_TIMING
 
 S = TaskState
@@ -203,11 +209,9 @@ def check_invariants(w: World) -> None:  # noqa: C901 - one list of promises, re
     assert w.gpu_claims == holding, f"GPU claims {sorted(w.gpu_claims)} but live attempts hold {sorted(holding)}"
 
 
-def check_nothing_overdue(w: World) -> None:
-    """Right after a sweep: every deadline that had passed has been acted upon."""
-    from datetime import timedelta
-
-    now = w.now
+def check_nothing_overdue(w: World, now: datetime) -> None:
+    """Right after a sweep that started at `now` (the database clock): every deadline that had passed
+    by then has been acted upon. (Not the time of reading `w`: a deadline may pass in between.)"""
     for nid, n in w.nodes.items():
         silent = now - n["last_heartbeat_at"]
         if silent > timedelta(seconds=T.offline_after):
@@ -240,8 +244,9 @@ async def hello(store: Store, node_id: str, slots: int, gpus: int, cpu: int = 20
 
 
 # ---- the actions ------------------------------------------------------------------------------------
-# Each is a small value that prints as what it does, so a failing example reads as a script. Tasks and
-# nodes are named by index, taken modulo how many exist when the action runs.
+# Each is a small value that prints as what it does, so a failing example reads as a script. `#k`
+# picks a task (or `node#k` a node) among those the action applies to, modulo how many there are;
+# each step's note names the task it picked (t0 is the first submitted) and what happened.
 
 
 @dataclass(frozen=True)
@@ -279,7 +284,7 @@ class Report:
 
     def __repr__(self) -> str:
         code = f"({self.code})" if self.kind == policy.EXITED else ""
-        return f"Report(t{self.task}, {self.kind}{code}, signed={self.signer}/{self.other})"
+        return f"Report(#{self.task}, {self.kind}{code}, signed={self.signer}/{self.other})"
 
 
 @dataclass(frozen=True)
@@ -287,7 +292,7 @@ class Cancel:
     task: int
 
     def __repr__(self) -> str:
-        return f"Cancel(t{self.task})"
+        return f"Cancel(#{self.task})"
 
 
 @dataclass(frozen=True)
@@ -299,7 +304,7 @@ class DeadlinePasses:
     then_sweep: bool
 
     def __repr__(self) -> str:
-        return f"DeadlinePasses(t{self.task}/{self.which}{', then Sweep' if self.then_sweep else ''})"
+        return f"DeadlinePasses(#{self.task}/{self.which}{', then Sweep' if self.then_sweep else ''})"
 
 
 @dataclass(frozen=True)
@@ -308,7 +313,7 @@ class NodeTrouble:
     how: str  # unreachable | offline | disconnect
 
     def __repr__(self) -> str:
-        return f"NodeTrouble(n{self.node}, {self.how})"
+        return f"NodeTrouble(node#{self.node}, {self.how})"
 
 
 @dataclass(frozen=True)
@@ -318,7 +323,7 @@ class NodeBack:
     forgot: bool
 
     def __repr__(self) -> str:
-        return f"NodeBack(n{self.node}, slots={self.slots}{', forgot its tasks' if self.forgot else ''})"
+        return f"NodeBack(node#{self.node}, slots={self.slots}{', forgot its tasks' if self.forgot else ''})"
 
 
 @dataclass(frozen=True)
@@ -327,7 +332,7 @@ class Drain:
     draining: bool
 
     def __repr__(self) -> str:
-        return f"Drain(n{self.node}, {self.draining})"
+        return f"Drain(node#{self.node}, {self.draining})"
 
 
 @dataclass(frozen=True)
@@ -337,7 +342,7 @@ class Revoke:
     node: int
 
     def __repr__(self) -> str:
-        return f"Revoke(n{self.node})"
+        return f"Revoke(node#{self.node})"
 
 
 @dataclass(frozen=True)
@@ -445,6 +450,9 @@ class Model:
     def task(self, i: int) -> uuid.UUID | None:
         return self.tasks[i % len(self.tasks)] if self.tasks else None
 
+    def label(self, tid: uuid.UUID) -> str:
+        return f"t{self.tasks.index(tid)}"
+
     def node(self, i: int) -> str:
         return self.nodes[i % len(self.nodes)]
 
@@ -493,7 +501,7 @@ class Model:
         row, created = self.run(self.store.submit(spec))
         assert created and row["state"] == "queued"
         self.tasks.append(row["id"])
-        return f"t{len(self.tasks) - 1} = {row['id']}"
+        return f"{self.label(row['id'])} = {row['id']}"
 
     def dispatch(self) -> str:
         before = self.world()
@@ -502,11 +510,12 @@ class Model:
         placed = [x[0] for x in out.assigned]
         assert len(placed) == len(set(placed)) and set(placed) <= queued, f"placed {placed}, queued were {queued}"
         assert out.lost_races == 0, "a dispatcher alone lost a race for capacity"
-        return f"assigned {[(self.tasks.index(t), n, tok) for t, n, tok in out.assigned]}"
+        return "assigned " + ", ".join(f"{self.label(t)} → {n} (token {tok})" for t, n, tok in out.assigned)
 
     def sweep(self) -> str:
+        started = self.world().now
         self.run(self.sched.sweep())
-        check_nothing_overdue(self.world())
+        check_nothing_overdue(self.world(), started)
         return "swept"
 
     def report(self, a: Report) -> str:
@@ -546,7 +555,7 @@ class Model:
             assert (done is not None) == (step is not None), f"{a!r} on a {f.state} task: step {step}, result {done}"
             if step is not None:
                 assert after.tasks[tid]["state"] == step.to
-        return f"{f.state} → {after.tasks[tid]['state']} (token {token} from {node}{'' if done else ', refused/no-op'})"
+        return f"{self.label(tid)}: {f.state} → {after.tasks[tid]['state']} (token {token} from {node}{'' if done else ', refused/no-op'})"
 
     def cancel(self, a: Cancel) -> str:
         if not self.tasks:
@@ -564,7 +573,7 @@ class Model:
             assert after == S.CANCELLING, f"cancelling a {before} task left it {after}"
         else:
             assert after == before, f"cancelling a {before} task moved it to {after}"
-        return f"{before} → {after}"
+        return f"{self.label(tid)}: {before} → {after}"
 
     def deadline_passes(self, a: DeadlinePasses) -> str:
         # only a time that means something in the task's state: moving any other would be a no-op
@@ -577,7 +586,7 @@ class Model:
         column = columns[a.which % len(columns)]
         assert column in ("accept_deadline", "lease_expires_at", "started_at", "cancel_requested_at")
         self.sql(f"UPDATE tasks SET {column} = now() - interval '1 hour' WHERE id = $1", tid)
-        return f"t{self.tasks.index(tid)}.{column} moved an hour back" + ("; " + self.sweep() if a.then_sweep else "")
+        return f"{self.label(tid)}.{column} moved an hour back" + ("; " + self.sweep() if a.then_sweep else "")
 
     def node_trouble(self, a: NodeTrouble) -> str:
         nid = self.node(a.node)
@@ -610,7 +619,6 @@ class Model:
             assert (done is not None) == (step is not None), f"NODE_FORGOT on a {f.state} task: step {step}, result {done}"
         return nid
 
-
     def drain(self, a: Drain) -> str:
         nid = self.node(a.node)
         self.run(self.store.set_draining(nid, a.draining))
@@ -625,10 +633,9 @@ class Model:
         self.run(self.store.revoke_node(nid))
         self.revoked.add(nid)
         self.run(self.sched.node_removed(nid))
-        left = [t for t in self.run(self.store.tasks_on_node(nid))]
+        left = self.run(self.store.tasks_on_node(nid))
         assert not left, f"tasks still on removed node {nid}: {[(r['id'], r['state']) for r in left]}"
         return nid
-
 
     # ---- races ----------------------------------------------------------------------------------
 
@@ -647,7 +654,12 @@ class Model:
                 continue  # an operator's cancel that lost ten races in a row says so: allowed
             if isinstance(r, BaseException):
                 raise r
-        return " ∥ ".join(str(r) for r in results)
+        return " ∥ ".join(self._said(r) for r in results)
+
+    def _said(self, r: Any) -> str:
+        if isinstance(r, DispatchOutcome):
+            return "dispatch assigned " + (", ".join(f"{self.label(t)} → {n}" for t, n, _tok in r.assigned) or "nothing")
+        return "swept" if r is None else str(r)
 
     def _racer(self, a: Any, w: World, sched: Scheduler) -> Callable[[], Awaitable[Any]] | None:
         """What starts doing `a` (targets chosen now, from `w`), or None if there is nothing to do."""
@@ -734,7 +746,7 @@ def run_program(db_url: str, fleet: list[tuple[int, int]], first: list[Submit], 
 
 
 @settings(
-    max_examples=50,
+    max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )

@@ -76,6 +76,9 @@ class Attempt:
     seq: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     cancel_requested: bool = False
     runner: asyncio.Task | None = None
+    # set when the server has recorded "provisioning" (or the attempt is cancelled): before that, the
+    # accept deadline may still give the task to another node, so nothing may start
+    go: asyncio.Event = field(default_factory=asyncio.Event)
     masker: Masker = field(default_factory=lambda: Masker([]))
 
 
@@ -229,8 +232,14 @@ class Agent:
             self.connected.set()
             beat = asyncio.get_running_loop().create_task(self._heartbeats(outq), name="agent.heartbeat")
             try:
+                # A healthy server acks a heartbeat at least every quarter of the lease; one silent
+                # for half of it is stuck (paused, partitioned): try the next server.
+                silence = self.fence_after / 2
                 while True:
-                    msg = await call.read()
+                    try:
+                        msg = await asyncio.wait_for(call.read(), timeout=silence)
+                    except TimeoutError:
+                        raise OSError(f"the server said nothing for {silence:g}s") from None
                     if msg is grpc.aio.EOF:
                         raise OSError("the server closed the stream")
                     self._on_message(msg)
@@ -259,6 +268,10 @@ class Agent:
             a = self.attempts.get(msg.ack.fencing_token)
             if a is not None and a.final is not None:
                 del self.attempts[a.token]
+        elif kind == "accepted":
+            a = self.attempts.get(msg.accepted.fencing_token)
+            if a is not None:
+                a.go.set()
         elif kind == "heartbeat_ack":
             sent = self._beats_sent.get(msg.heartbeat_ack.seq)
             if sent is not None:
@@ -295,6 +308,7 @@ class Agent:
             self._send(pb.AgentMessage(event=a.final))
             return
         a.cancel_requested = True
+        a.go.set()
         if a.run is not None:
             asyncio.get_running_loop().create_task(a.run.stop(self.kill_grace), name=f"agent.stop.{a.task_id}")
 
@@ -312,6 +326,9 @@ class Agent:
         try:
             if self.cfg.provision_delay:
                 await asyncio.sleep(self.cfg.provision_delay)
+            # Start only once the server has recorded that this node accepted: an assignment revoked
+            # by the accept deadline (its "provisioning" came too late) is then never started here.
+            await a.go.wait()
             if a.cancel_requested:
                 self._event(a, K.EXITED, exit_code=130, message="cancelled before it started")
                 return

@@ -92,13 +92,19 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             if not beats:
                 continue
             try:
-                await self.store.heartbeats([(n, sess) for n, (sess, _seq) in beats.items()], self.server_id)
+                recorded = await self.store.heartbeats([(n, sess) for n, (sess, _seq) in beats.items()], self.server_id)
             except StoreUnavailable as e:
                 # not acknowledged: the nodes' leases are not renewed, which is the truth
                 log.warning("heartbeats not recorded: %s", e)
                 continue
+            for node_id in beats.keys() - recorded:
+                live = self.sessions.get(node_id)
+                if live is not None and live.session == beats[node_id][0]:
+                    self._beats.setdefault(node_id, beats[node_id])  # its row was busy: next flush
             now = asyncio.get_running_loop().time()
             for node_id, (sess, seq) in beats.items():
+                if node_id not in recorded:
+                    continue
                 s = self.sessions.get(node_id)
                 # An ack renews the node's lease for fence_after from that heartbeat; acking every
                 # one would be thousands of writes a second on a large fleet for no gain, so a node
@@ -356,6 +362,9 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                         f = facts(row)
                         await self.scheduler.apply(r["id"], f.state, policy.on_node_event(f, kind, None, self.timing),
                                                    actor=f"node:{s.node_id}", fencing_token=r["fencing_token"], node_id=s.node_id)
+                    row = await self.store.get_task(r["id"])
+                    if row["state"] in _ACCEPTED and row["fencing_token"] == r["fencing_token"]:
+                        self._accepted(s, str(r["id"]), r["fencing_token"])  # it may be waiting for this
                 if r["state"] == TaskState.CANCELLING:
                     s.send(pb.ServerMessage(cancel=pb.Cancel(
                         task_id=str(r["id"]), fencing_token=r["fencing_token"], reason=reasons.CANCELLED)))  # fmt: skip
@@ -370,6 +379,9 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 r["id"], f.state, step, actor=f"node:{s.node_id}", fencing_token=r["fencing_token"], node_id=s.node_id
             )
         await self.store.redeliver(redeliver)
+
+    def _accepted(self, s: Session, task_id: str, token: int) -> None:
+        s.send(pb.ServerMessage(accepted=pb.Accepted(task_id=task_id, fencing_token=token)))
 
     async def _on_event(self, s: Session, ev: pb.TaskEvent) -> None:
         kind = _KIND.get(ev.kind, "")
@@ -405,15 +417,23 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             f = facts(row)
             step = policy.on_node_event(f, kind, ev.exit_code if kind == policy.EXITED else None, self.timing)
             if step is None:
+                if kind == policy.PROVISIONING and f.state in _ACCEPTED:
+                    self._accepted(s, ev.task_id, ev.fencing_token)  # a repeat: it was recorded
                 break
             done = await self.scheduler.apply(
                 task_id, f.state, step, actor=f"node:{s.node_id}", fencing_token=ev.fencing_token, node_id=s.node_id
             )
             if done is not None:
+                if kind == policy.PROVISIONING:
+                    self._accepted(s, ev.task_id, ev.fencing_token)
                 break
             # the task moved between the read and the write (a sweep, a cancel): read again
         if final:
             s.send(pb.ServerMessage(ack=pb.Ack(task_id=ev.task_id, fencing_token=ev.fencing_token)))
+
+
+# States in which an attempt's "provisioning" has been recorded: the node may start it.
+_ACCEPTED = (TaskState.PROVISIONING, TaskState.RUNNING)
 
 
 def _check_hello(h: pb.Hello) -> str | None:

@@ -41,6 +41,15 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+# Errors that mean "another transaction got in the way": the whole transaction was rolled back, and
+# doing it again is the answer. Translated like a lost connection, so every caller retries.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.DeadlockDetectedError,
+    asyncpg.exceptions.SerializationError,
+    asyncpg.exceptions.LockNotAvailableError,
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Transition:
     """An accepted transition. A rejected one is None."""
@@ -117,6 +126,8 @@ class Store:
                 yield conn
         except CONNECTION_ERRORS as e:
             raise StoreUnavailable(f"lost the connection to PostgreSQL: {e}") from e
+        except TRANSIENT_ERRORS as e:
+            raise StoreUnavailable(f"the database refused a conflicting write ({e}); nothing was written") from e
 
     async def listen(self, channel: str, callback: Callable[[str], None]) -> asyncpg.Connection:
         """A dedicated connection LISTENing on `channel`. The caller owns it and closes it."""
@@ -356,7 +367,8 @@ class Store:
                     acc[2] += p.disk_bytes
                     acc[3] += p.gpus
                     acc[4] += 1
-                ids = list(per_node)
+                ids = sorted(per_node)
+                await conn.execute(self.q["lock_nodes"], ids)
                 got = await conn.fetch(
                     self.q["reserve_capacity"],
                     ids,
@@ -420,11 +432,13 @@ class Store:
                 gpus, slots, gateway_id, agent_version,
             )  # fmt: skip
 
-    async def heartbeats(self, beats: Sequence[tuple[str, int]], gateway_id: str) -> None:
+    async def heartbeats(self, beats: Sequence[tuple[str, int]], gateway_id: str) -> set[str]:
+        """Record heartbeats; returns the nodes recorded (a node whose row was busy is not)."""
         if not beats:
-            return
+            return set()
         async with self._conn() as conn:
-            await conn.execute(self.q["heartbeats"], [b[0] for b in beats], [b[1] for b in beats], gateway_id)
+            rows = await conn.fetch(self.q["heartbeats"], [b[0] for b in beats], [b[1] for b in beats], gateway_id)
+        return {r["id"] for r in rows}
 
     async def node_disconnected(self, node_id: str, session: int) -> None:
         async with self._conn() as conn:

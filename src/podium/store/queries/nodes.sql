@@ -27,9 +27,18 @@ RETURNING id, session, draining, pg_notify('podium_dispatch', '')
 -- heartbeats --
 -- One statement for every heartbeat a gateway received since its last flush. Health comes back to
 -- online (a node that talks again is reachable again); only the node's current session counts.
+-- Rows are locked in id order and a row another transaction holds is skipped (its heartbeat is
+-- kept for the next flush), so this can neither deadlock with placement nor wait behind it.
+WITH d AS (SELECT * FROM unnest($1::text[], $2::bigint[]) AS d(id, session)),
+locked AS (
+    SELECT n.id FROM nodes n JOIN d ON d.id = n.id AND d.session = n.session
+    WHERE n.revoked_at IS NULL
+    ORDER BY n.id
+    FOR NO KEY UPDATE OF n SKIP LOCKED
+)
 UPDATE nodes n SET last_heartbeat_at = now(), health = 'online', connected = true, gateway_id = $3
-FROM unnest($1::text[], $2::bigint[]) AS d(id, session)
-WHERE n.id = d.id AND n.session = d.session AND n.revoked_at IS NULL
+FROM locked WHERE n.id = locked.id
+RETURNING n.id
 
 -- node_disconnected --
 UPDATE nodes SET connected = false, gateway_id = NULL, updated_at = now()
@@ -40,14 +49,27 @@ WHERE id = $1 AND session = $2
 UPDATE nodes SET connected = false, gateway_id = NULL, updated_at = now() WHERE gateway_id = $1
 
 -- mark_unreachable --
-UPDATE nodes SET health = 'unreachable', updated_at = now()
-WHERE health = 'online' AND last_heartbeat_at < now() - make_interval(secs => $1)
-RETURNING id
+-- Rows locked in id order, skipping any another transaction holds (the next sweep takes them): the
+-- watchdog never deadlocks with placement or heartbeats.
+WITH c AS (
+    SELECT id FROM nodes WHERE health = 'online' AND last_heartbeat_at < now() - make_interval(secs => $1)
+    ORDER BY id FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE nodes n SET health = 'unreachable', updated_at = now() FROM c WHERE n.id = c.id
+RETURNING n.id
 
 -- mark_offline --
-UPDATE nodes SET health = 'offline', connected = false, updated_at = now()
-WHERE health <> 'offline' AND last_heartbeat_at < now() - make_interval(secs => $1)
-RETURNING id
+WITH c AS (
+    SELECT id FROM nodes WHERE health <> 'offline' AND last_heartbeat_at < now() - make_interval(secs => $1)
+    ORDER BY id FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE nodes n SET health = 'offline', connected = false, updated_at = now() FROM c WHERE n.id = c.id
+RETURNING n.id
+
+-- lock_nodes --
+-- Placement takes its nodes' rows in id order before reserving on them, so two schedulers reserving
+-- on overlapping nodes wait for each other instead of deadlocking.
+SELECT id FROM nodes WHERE id = ANY($1::text[]) ORDER BY id FOR NO KEY UPDATE
 
 -- placement_nodes --
 -- Every node placement could use, with the GPU indexes its live attempts hold.

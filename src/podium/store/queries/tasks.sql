@@ -167,8 +167,10 @@ WITH d AS (
     UPDATE tasks SET
         state = 'assigned', reason = NULL, node_id = d.node_id,
         fencing_token = nextval('fencing_tokens'), attempts = tasks.attempts + 1,
-        accept_deadline = now() + make_interval(secs => $4),
-        lease_expires_at = now() + make_interval(secs => $5),
+        -- clock_timestamp(), not now(): a transaction that was slow between its claim and this write
+        -- must not hand out an assignment with its accept window already spent
+        accept_deadline = clock_timestamp() + make_interval(secs => $4),
+        lease_expires_at = clock_timestamp() + make_interval(secs => $5),
         exit_code = NULL, started_at = NULL, cancel_requested_at = NULL, cancel_reason = NULL,
         updated_at = now()
     FROM d

@@ -135,20 +135,22 @@ class LogChunk(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., stream: _Optional[str] = ..., seq: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "assign", "cancel", "ack", "drain", "heartbeat_ack")
+    __slots__ = ("welcome", "assign", "cancel", "ack", "drain", "heartbeat_ack", "accepted")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     assign: Assign
     cancel: Cancel
     ack: Ack
     drain: Drain
     heartbeat_ack: HeartbeatAck
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
+    accepted: Accepted
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("node_id", "server_id", "heartbeat_seconds", "kill_grace_seconds", "node_credential", "fence_after_seconds")
@@ -211,6 +213,14 @@ class Cancel(_message.Message):
     fencing_token: int
     reason: str
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Accepted(_message.Message):
+    __slots__ = ("task_id", "fencing_token")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    fencing_token: int
+    def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("task_id", "fencing_token")
