@@ -44,7 +44,7 @@ def test_killed_database_connections_lose_no_acknowledged_submission(cluster: Cl
     acknowledged: dict[str, str] = {}  # idempotency key → task id
     refused = 0
     try:
-        with httpx.Client(base_url=srv.api, timeout=30) as http:
+        with httpx.Client(base_url=srv.api, timeout=30, headers={"Authorization": f"Bearer {srv.admin_token}"}) as http:
             deadline = time.monotonic() + 8
             i = 0
             while time.monotonic() < deadline:
