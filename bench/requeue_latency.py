@@ -20,7 +20,9 @@ What happens:
 
 elapsed is below OfflineAfter by however long before the kill the last heartbeat was (0 to one
 heartbeat interval), plus the watchdog's lag (≤ one watchdog interval plus a sweep), plus the
-poll's granularity (20 ms plus one request).
+poll's granularity (20 ms plus one request). The recorded heartbeat time is when the gateway's
+batched flush wrote it (every heartbeat/4, 0.25 s here), so it can be a little after the kill, and
+elapsed a little above OfflineAfter.
 
 Results: a table on stdout and bench/results/requeue_latency.json (or --out).
 """
@@ -116,7 +118,8 @@ def one_run(i: int, tmp: Path, srv: Server, api: Api, db_url: str) -> dict[str, 
         try:
             api.wait_state(tid, "running", 60)
         except AssertionError:
-            print(f"run {i}: task {tid} never started on {node_id}:\n{json.dumps(asyncio.run(diagnose(db_url, tid)), indent=1, default=str)}")
+            found = json.dumps(asyncio.run(diagnose(db_url, tid)), indent=1, default=str)
+            print(f"run {i}: task {tid} never started on {node_id}:\n{found}")
             raise
         # the task is running; let a heartbeat or two go by so the kill lands at a random phase of it
         time.sleep(1.0 + random.uniform(0, T.heartbeat))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -90,11 +92,15 @@ class PgServer:
 
 
 @pytest.fixture(scope="session")
-def embedded_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgServer]:
-    emb = EmbeddedPostgres(tmp_path_factory.mktemp("embedded"))
+def embedded_pg() -> Iterator[PgServer]:
+    # Not under pytest's basetemp: pytest deletes old basetemps when newer sessions start, and a
+    # data directory deleted under a running PostgreSQL takes the whole session's store tests down.
+    home = Path(tempfile.mkdtemp(prefix="podium-test-pg-"))
+    emb = EmbeddedPostgres(home)
     url = emb.start()
     yield PgServer("embedded", url.replace("/podium?", "/postgres?", 1))
     emb.stop()
+    shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -170,7 +170,9 @@ def check_invariants(w: World) -> None:  # noqa: C901 - one list of promises, re
         for e in evs:
             if e["from_state"] in ON_NODE:
                 # a step off a node-state is taken under the attempt's token, and the latest one
-                assert e["fencing_token"] in tokens, f"{where}: event {e['from_state']} → {e['to_state']} carries token {e['fencing_token']}"
+                assert e["fencing_token"] in tokens, (
+                    f"{where}: event {e['from_state']} → {e['to_state']} carries token {e['fencing_token']}"
+                )
         ev_tokens = [e["fencing_token"] for e in evs if e["fencing_token"] is not None]
         assert ev_tokens == sorted(ev_tokens), f"{where}: history goes back to an older token: {ev_tokens}"
 
@@ -201,7 +203,8 @@ def check_invariants(w: World) -> None:  # noqa: C901 - one list of promises, re
                 continue
             idx = list(a["gpu_indexes"])
             assert len(idx) == a["gpus"], f"attempt {a['fencing_token']} asks {a['gpus']} GPUs, holds indexes {idx}"
-            assert set(idx) <= set(w.nodes[a["node_id"]]["gpu_indexes"]), f"attempt {a['fencing_token']}: GPU {idx} not on its node"
+            on_node = set(w.nodes[a["node_id"]]["gpu_indexes"])
+            assert set(idx) <= on_node, f"attempt {a['fencing_token']}: GPUs {idx} not on its node"
             for g in idx:
                 clash = [h for h in holding if h[:2] == (a["node_id"], g)]
                 assert not clash, f"GPU {g} on {a['node_id']} is held by attempts {clash[0][2]} and {a['fencing_token']}"
@@ -230,7 +233,8 @@ def check_nothing_overdue(w: World, now: datetime) -> None:
         if st_ == "running" and t["timeout_seconds"] is not None:
             assert t["started_at"] + timedelta(seconds=t["timeout_seconds"]) >= now, f"{where}: timed out, still running"
         if st_ == "cancelling":
-            assert t["cancel_requested_at"] >= now - timedelta(seconds=T.cancel_grace), f"{where}: CancelGrace passed"
+            asked = t["cancel_requested_at"]  # None is the invariants' to report
+            assert asked is None or asked >= now - timedelta(seconds=T.cancel_grace), f"{where}: CancelGrace passed"
 
 
 async def hello(store: Store, node_id: str, slots: int, gpus: int, cpu: int = 2000) -> Any:
@@ -369,7 +373,8 @@ DEADLINES = {
 
 
 def _deadlines(task: dict[str, Any]) -> list[str]:
-    return [c for c in DEADLINES.get(task["state"], ()) if task[c] is not None and not (c == "started_at" and task["timeout_seconds"] is None)]
+    no_timeout = task["timeout_seconds"] is None
+    return [c for c in DEADLINES.get(task["state"], ()) if task[c] is not None and not (c == "started_at" and no_timeout)]
 
 
 # what a node reports, weighted towards the ones that move a task forward
@@ -380,7 +385,8 @@ SIGNERS = ("current",) * 6 + ("stale", "bogus", "wrong_node")
 
 _task = st.integers(0, MAX_TASKS - 1)
 _node = st.integers(0, len(NODE_IDS) - 1)
-_submit = st.builds(Submit, st.sampled_from([250, 500, 1000, 1000, 1500, 2500]), st.sampled_from([0, 0, 1]), st.integers(1, 3), st.booleans(),
+_submit = st.builds(Submit, st.sampled_from([250, 500, 1000, 1000, 1500, 2500]), st.sampled_from([0, 0, 1]),
+                    st.integers(1, 3), st.booleans(),
                     st.sampled_from([None, 600.0, 600.0]))  # fmt: skip
 _report = st.builds(Report, _task, st.sampled_from(KINDS), st.sampled_from([0, 1, 137]), st.sampled_from(SIGNERS),
                     st.integers(0, 2))  # fmt: skip
@@ -555,7 +561,8 @@ class Model:
             assert (done is not None) == (step is not None), f"{a!r} on a {f.state} task: step {step}, result {done}"
             if step is not None:
                 assert after.tasks[tid]["state"] == step.to
-        return f"{self.label(tid)}: {f.state} → {after.tasks[tid]['state']} (token {token} from {node}{'' if done else ', refused/no-op'})"
+        what = "" if done else ", refused/no-op"
+        return f"{self.label(tid)}: {f.state} → {after.tasks[tid]['state']} (token {token} from {node}{what})"
 
     def cancel(self, a: Cancel) -> str:
         if not self.tasks:
