@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 K = pb.TaskEvent.Kind
 MAX_BUFFERED = 100_000  # messages kept while no server is reachable; the oldest logs go first
+MAX_UNACKED_LOG_BYTES = 64 * 2**20  # per attempt: output kept until a server has stored it
 BACKOFF_MIN = 0.2
 BACKOFF_MAX = 10.0
 
@@ -79,6 +80,9 @@ class Attempt:
     # set when the server has recorded "provisioning" (or the attempt is cancelled): before that, the
     # accept deadline may still give the task to another node, so nothing may start
     go: asyncio.Event = field(default_factory=asyncio.Event)
+    # output not yet stored by a server, oldest first: sent again on the next stream if this one dies
+    unacked: deque[pb.LogChunk] = field(default_factory=deque)
+    unacked_bytes: int = 0
     masker: Masker = field(default_factory=lambda: Masker([]))
 
 
@@ -219,7 +223,11 @@ class Agent:
             # the Hello was recorded as a heartbeat: the lease runs from when it was sent
             self.fence.renew(hello_sent + self.fence_after)
             log.info("connected to %s (server %s) as %s", server, w.server_id, self.node_id)
-            # what is owed from before: unacknowledged ends first, then whatever waited for a stream
+            # What is owed from before: output no server has stored, then unacknowledged ends (the
+            # server stores an attempt's output before its end), then whatever waited for a stream.
+            for a in list(self.attempts.values()):
+                for chunk in a.unacked:
+                    outq.put_nowait(pb.AgentMessage(log=chunk))
             for a in list(self.attempts.values()):
                 if a.final is not None:
                     outq.put_nowait(pb.AgentMessage(event=a.final))
@@ -227,6 +235,8 @@ class Agent:
                 msg = self._buffer.popleft()
                 if msg.HasField("event") and msg.event.kind in (K.EXITED, K.FAILED_RETRYABLE, K.NOT_RUNNING):
                     continue  # already re-sent above from the attempt itself
+                if msg.HasField("log"):
+                    continue  # re-sent above from the attempt's unacknowledged output
                 outq.put_nowait(msg)
             self._outq = outq
             self.connected.set()
@@ -268,6 +278,14 @@ class Agent:
             a = self.attempts.get(msg.ack.fencing_token)
             if a is not None and a.final is not None:
                 del self.attempts[a.token]
+        elif kind == "log_ack":
+            ack = msg.log_ack
+            a = self.attempts.get(ack.fencing_token)
+            if a is not None and a.unacked:
+                kept = deque(c for c in a.unacked if not (c.stream == ack.stream and c.seq <= ack.seq))
+                if len(kept) != len(a.unacked):
+                    a.unacked = kept
+                    a.unacked_bytes = sum(len(c.data) for c in kept)
         elif kind == "accepted":
             a = self.attempts.get(msg.accepted.fencing_token)
             if a is not None:
@@ -379,8 +397,14 @@ class Agent:
             return
         seq = a.seq[stream]
         a.seq[stream] = seq + 1
-        self._send(pb.AgentMessage(log=pb.LogChunk(
-            task_id=a.task_id, fencing_token=a.token, stream=stream, seq=seq, data=data)))  # fmt: skip
+        chunk = pb.LogChunk(task_id=a.task_id, fencing_token=a.token, stream=stream, seq=seq, data=data)
+        a.unacked.append(chunk)
+        a.unacked_bytes += len(data)
+        while a.unacked_bytes > MAX_UNACKED_LOG_BYTES and a.unacked:
+            a.unacked_bytes -= len(a.unacked.popleft().data)  # bounded: the oldest output goes first
+        if self._outq is not None:
+            self._outq.put_nowait(pb.AgentMessage(log=chunk))
+        # with no stream, the chunk waits in `unacked` and is sent on the next one
 
     async def shutdown(self) -> None:
         """Stop every task (SIGTERM, then SIGKILL after the grace), then the fence keeper."""

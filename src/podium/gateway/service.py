@@ -126,6 +126,17 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             except StoreUnavailable as e:
                 log.warning("logs from %s not stored yet: %s", node_id, e)
                 self._logs.setdefault(node_id, []).extend(chunks)
+                continue
+            # stored: the node may forget them (until now it keeps them, to send again if we die)
+            s = self.sessions.get(node_id)
+            if s is None:
+                continue
+            upto: dict[tuple[uuid.UUID, int, str], int] = {}
+            for tid, token, stream, seq, _data in chunks:
+                key = (tid, token, stream)
+                upto[key] = max(upto.get(key, -1), seq)
+            for (tid, token, stream), seq in upto.items():
+                s.send(pb.ServerMessage(log_ack=pb.LogAck(task_id=str(tid), fencing_token=token, stream=stream, seq=seq)))
 
     async def outbox_loop(self) -> None:
         """LISTEN for per-node wake-ups, and sweep every node with a pending outbox as a backstop."""
