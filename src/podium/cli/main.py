@@ -229,7 +229,7 @@ def dev(
         out.print(f"  Token:   an admin token is in {token_file()} (the CLI reads it)", soft_wrap=True)
         out.print("  Note:    no TLS — fine on loopback; give `podium server` --tls-cert/--tls-key beyond it", soft_wrap=True)
         out.print(f"  API:     {addr}   (OpenAPI: {addr}/docs)", soft_wrap=True)
-        out.print(f"  Try:     PODIUM_ADDR={addr} podium run -- sh -c 'echo hello from podium'", soft_wrap=True)
+        out.print(f"  Try:     PODIUM_ADDR={addr} {_me()} run -- sh -c 'echo hello from podium'", soft_wrap=True)
         out.print("  Stop:    Ctrl-C")
         if demo:
             threading.Thread(target=_demo, args=(addr, t0), daemon=True).start()
@@ -243,6 +243,17 @@ def dev(
                 agent_proc.kill()
 
     asyncio.run(main())
+
+
+def _me() -> str:
+    """How the user can call this same `podium`: by name if it is on PATH, else by its path."""
+    import shutil
+
+    here = Path(sys.executable).parent / "podium"
+    on_path = shutil.which("podium")
+    if on_path and Path(on_path).resolve() == here.resolve():
+        return "podium"
+    return str(here.relative_to(Path.cwd())) if here.is_relative_to(Path.cwd()) else str(here)
 
 
 def _demo(addr: str, t0: float) -> None:
@@ -265,7 +276,7 @@ def _demo(addr: str, t0: float) -> None:
                 out.print(f"  └ task {e['state']} with exit code {e['exit_code']}")
         if running_at:
             out.print(f"  (first output {running_at - t0:.2f}s after `podium dev` started)")
-        out.print(f"  See it again: PODIUM_ADDR={addr} podium show {tid}", soft_wrap=True)
+        out.print(f"  See it again: PODIUM_ADDR={addr} {_me()} show {tid}", soft_wrap=True)
     except CliError as e:
         err.print(f"demo: {e}")
 
