@@ -152,18 +152,7 @@ class Store:
         """Store a new queued task (with its first event and its audit entry). With an idempotency
         key already used, return that task instead (created=False); the same key with a different
         spec is a Conflict."""
-        spec_json = json.loads(spec.model_dump_json())
-        async with self._conn() as conn:
-            row = await conn.fetchrow(
-                self.q["insert_task"],
-                uuid.uuid4(), spec.name, spec_json, reasons.WAITING, spec.priority, spec.resources.cpu,
-                spec.resources.memory, spec.resources.disk, spec.resources.gpus, spec.timeout, spec.max_attempts,
-                spec.requeue_on_node_loss, idempotency_key, actor, spec_name, spec_revision,
-            )  # fmt: skip
-            if row is not None:
-                return row, True
-            existing = await conn.fetchrow(self.q["task_by_idempotency_key"], idempotency_key)
-        return self._same_submission(existing, idempotency_key, spec_json), False
+        return (await self.submit_many([(spec, idempotency_key)], actor=actor, spec_name=spec_name, spec_revision=spec_revision))[0]
 
     @staticmethod
     def _same_submission(existing: asyncpg.Record | None, key: str | None, spec_json: Any) -> asyncpg.Record:
@@ -177,7 +166,12 @@ class Store:
         return existing
 
     async def submit_many(
-        self, items: Sequence[tuple[TaskSpec, str | None]], *, actor: str
+        self,
+        items: Sequence[tuple[TaskSpec, str | None]],
+        *,
+        actor: str,
+        spec_name: str | None = None,
+        spec_revision: int | None = None,
     ) -> list[tuple[asyncpg.Record, bool]]:
         """Many submissions in one statement and one commit; per item the same answer `submit` gives.
         The whole batch is refused (nothing stored) if any item reuses a key for a different spec."""
@@ -194,8 +188,9 @@ class Store:
             [s.timeout for s, _ in items], [s.max_attempts for s, _ in items],
             [s.requeue_on_node_loss for s, _ in items], keys,
         ]  # fmt: skip
+        named = ([spec_name] * len(items), [spec_revision] * len(items))
         async with self._conn() as conn, conn.transaction():
-            rows = {r["id"]: r for r in await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor)}
+            rows = {r["id"]: r for r in await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named)}
             missing = [k for i, k in zip(ids, keys, strict=True) if i not in rows]
             existing = {r["idempotency_key"]: r for r in await conn.fetch(self.q["tasks_by_idempotency_keys"], missing)} if missing else {}
             out = []

@@ -1,38 +1,20 @@
 -- Every statement that reads or writes tasks, attempts, events and logs, as named blocks.
 -- `podium.store.db.Store` is the only code that runs them.
 
--- insert_task --
--- A submission, its first event and its audit entry, in one statement. ON CONFLICT on the
--- idempotency key makes a retried submit return nothing here; the caller then reads the task the
--- first submit created.
-WITH t AS (
+-- insert_tasks --
+-- Submissions (one, or a batch) in one statement: each task, its first event and its audit entry,
+-- and one NOTIFY. ON CONFLICT on the idempotency key makes a retried submit return no row for it;
+-- the caller then reads the task the first submit created.
+WITH d AS (
+    SELECT * FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::int[], $5::bigint[], $6::bigint[], $7::bigint[],
+                         $8::int[], $9::float8[], $10::int[], $11::bool[], $12::text[], $15::text[], $16::int[])
+        AS d(id, name, spec, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, spec_name, spec_revision)
+), t AS (
     INSERT INTO tasks (id, name, spec, state, reason, priority, cpu_millis, memory_bytes, disk_bytes, gpus,
                        timeout_seconds, max_attempts, requeue_on_node_loss, idempotency_key, submitted_by,
                        spec_name, spec_revision)
-    VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
-    ON CONFLICT (idempotency_key) DO NOTHING
-    RETURNING *
-), e AS (
-    INSERT INTO task_events (task_id, from_state, to_state, reason, actor)
-    SELECT id, NULL, 'queued', NULL, $14 FROM t
-), a AS (
-    INSERT INTO audit_log (actor, action, target, detail)
-    SELECT $14, 'task.submit', id::text, jsonb_build_object('name', name) FROM t
-), n AS (
-    SELECT pg_notify('podium_dispatch', '') FROM t LIMIT 1
-)
-SELECT t.*, (SELECT count(*) FROM n) AS notified FROM t
-
--- insert_tasks --
--- Many submissions in one statement (the batch endpoint): the same as insert_task, row by row.
-WITH d AS (
-    SELECT * FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::int[], $5::bigint[], $6::bigint[], $7::bigint[],
-                         $8::int[], $9::float8[], $10::int[], $11::bool[], $12::text[])
-        AS d(id, name, spec, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey)
-), t AS (
-    INSERT INTO tasks (id, name, spec, state, reason, priority, cpu_millis, memory_bytes, disk_bytes, gpus,
-                       timeout_seconds, max_attempts, requeue_on_node_loss, idempotency_key, submitted_by)
-    SELECT id, name, spec, 'queued', $13, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, $14
+    SELECT id, name, spec, 'queued', $13, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, $14,
+           spec_name, spec_revision
     FROM d
     ON CONFLICT (idempotency_key) DO NOTHING
     RETURNING *
