@@ -812,6 +812,7 @@ async def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if profile_proc is not None:
             await stop_profile(profile_proc)
+        result["server_metrics"] = await server_metrics(b.server)
         records = await b.stop()
 
     result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -842,6 +843,48 @@ async def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     else:
         shutil.rmtree(b.tmp, ignore_errors=True)
     return result
+
+
+async def server_metrics(server: Server) -> dict[str, Any]:
+    """The server's own podium_* metrics at the end of the run (totals over the whole run): where its
+    batches went, how big and how slow they were, how late its event loop ran."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with httpx.AsyncClient(timeout=10, headers={"Authorization": f"Bearer {server.admin_token}"}) as c:
+            text = (await c.get(f"{server.api}/metrics")).text
+    except httpx.HTTPError as e:
+        return {"error": str(e)}
+    out: dict[str, Any] = {}
+    for fam in text_string_to_metric_families(text):
+        if not fam.name.startswith("podium_"):
+            continue
+        for smp in fam.samples:
+            if smp.name.endswith("_bucket") or smp.name.endswith("_created"):
+                continue
+            key = smp.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items())) + "}" if smp.labels else "")
+            out[key] = smp.value
+    for base in ("podium_dispatch_seconds", "podium_node_report_batch_seconds", "podium_node_report_batch_size",
+                 "podium_heartbeat_flush_seconds", "podium_outbox_take_seconds", "podium_event_loop_lag_seconds"):
+        n = out.get(base + "_count")
+        if n:
+            out[base + "_mean"] = round(out[base + "_sum"] / n, 6)
+    return out
+
+
+def metrics_line(m: dict[str, Any]) -> str:
+    def mean_ms(base: str) -> str:
+        v = m.get(base + "_mean")
+        return "-" if v is None else f"{v * 1000:.1f} ms"
+
+    return (
+        f"server: {int(m.get('podium_dispatch_seconds_count', 0))} dispatch batches ({mean_ms('podium_dispatch_seconds')} each, "
+        f"window full {int(m.get('podium_dispatch_window_full_total', 0))}×); "
+        f"{int(m.get('podium_node_report_batch_seconds_count', 0))} report commits "
+        f"(mean {m.get('podium_node_report_batch_size_mean', 0):.0f} reports, {mean_ms('podium_node_report_batch_seconds')}); "
+        f"outbox takes {int(m.get('podium_outbox_take_seconds_count', 0))} ({mean_ms('podium_outbox_take_seconds')}); "
+        f"heartbeat flush {mean_ms('podium_heartbeat_flush_seconds')}; event-loop lag mean {mean_ms('podium_event_loop_lag_seconds')}"
+    )
 
 
 async def placement_scenario(b: Bench, cfg: dict[str, Any], wait: str) -> None:
@@ -995,6 +1038,8 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"fleet: Hello→Welcome p50/p99 {fmt(h.get('p50'))}/{fmt(h.get('p99'))} ms; heartbeat→HeartbeatAck "
                      f"p50/p99/max {fmt(k.get('p50'))}/{fmt(k.get('p99'))}/{fmt(k.get('max'))} ms over {k.get('n')} acks; "
                      f"counts {fl['status'].get('counts')}")  # fmt: skip
+    if res.get("server_metrics") and "error" not in res["server_metrics"]:
+        lines.append(metrics_line(res["server_metrics"]))
     lines.append(f"server peak RSS {fmt(res.get('peak_rss_mib', {}).get('server'))} MiB, fleet peak RSS "
                  f"{fmt(res.get('peak_rss_mib', {}).get('fleet'))} MiB; server log: "
                  f"{res['server_log']['warnings_and_errors']} warnings/errors")  # fmt: skip

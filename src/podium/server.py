@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import uvicorn
 
+from podium import metrics
 from podium.api.app import create_app
 from podium.gateway.service import Gateway
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
@@ -63,6 +64,7 @@ class PodiumServer:
         self.embedded: EmbeddedPostgres | None = None
         self.store: Store | None = None
         self.liveness_store: Store | None = None
+        self.beats_store: Store | None = None
         self.started = asyncio.Event()
         self._stop = asyncio.Event()
 
@@ -99,12 +101,14 @@ class PodiumServer:
         # Node reports and heartbeats get a pool of their own: a burst of API traffic must never
         # make a healthy node look silent, or a prompt accept look late.
         self.liveness_store = await Store.connect(url, min_size=2, max_size=10)
+        # and heartbeats one more of their own, so no backlog of reports ever delays them
+        self.beats_store = await Store.connect(url, min_size=1, max_size=2)
         gateway_scheduler = Scheduler(
             self.liveness_store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy
         )
         gateway = Gateway(
             self.liveness_store, gateway_scheduler, self.timing, server_id=self.server_id,
-            security=Security(self.liveness_store, security.box),
+            security=Security(self.liveness_store, security.box), beats_store=self.beats_store,
         )  # fmt: skip
 
         grpc_server = grpc.aio.server(options=[("grpc.keepalive_time_ms", 20000), ("grpc.so_reuseport", 0)])
@@ -131,7 +135,9 @@ class PodiumServer:
         api = uvicorn.Server(ucfg)
         api.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # we own the signals
 
-        loops: dict[str, Callable[[], Awaitable[None]]] = {**scheduler.tasks(), **gateway.tasks(), "api": api.serve}
+        loops: dict[str, Callable[[], Awaitable[None]]] = {
+            **scheduler.tasks(), **gateway.tasks(), "api": api.serve, "server.lag": _watch_loop_lag,
+        }  # fmt: skip
         tasks = {asyncio.create_task(fn(), name=name) for name, fn in loops.items()}
         stopper = asyncio.create_task(self._stop.wait(), name="stop")
         try:
@@ -165,7 +171,21 @@ class PodiumServer:
             await gateway.close()
             await scheduler.close()
             await self.liveness_store.close()
+            await self.beats_store.close()
             await store.close()
+
+
+LAG_PROBE = 0.25  # seconds between probes of the event loop's lag
+
+
+async def _watch_loop_lag() -> None:
+    """How late a timer due now runs: the clearest single sign that the server has more ready work
+    than one core can do (every node's heartbeat ack waits that long too)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(LAG_PROBE)
+        metrics.LOOP_LAG_SECONDS.observe(max(0.0, loop.time() - t - LAG_PROBE))
 
 
 def install_signal_handlers(server: PodiumServer) -> None:

@@ -4,7 +4,7 @@ reading the code finds the whole policy in one place.
 The defaults are the seed's canonical numbers: heartbeat every 10s, unreachable at 30s, offline at
 120s, a 15s provisioning deadline, a 30s SIGTERM→SIGKILL grace on the node and 60s before the server
 gives up waiting for a cancelled task's node. `PODIUM_TEST_FAST_TIMERS=1` divides every duration by
-ten (`FAST_TIMER_DIVISOR`); `claim_limit` is a batch size, not a duration, and is never touched.
+ten (`FAST_TIMER_DIVISOR`); `claim_limit` and `assign_window` are counts, not durations, and are never touched.
 """
 
 from __future__ import annotations
@@ -47,13 +47,17 @@ class Timing:
     cancel_grace: float = 60.0
     # How many queued tasks one dispatch tick considers. A batch size, not a duration.
     claim_limit: int = 512
+    # How many assignments may wait for their node's "provisioning" at once, over the whole fleet.
+    # Past it the dispatcher waits: placing faster than the nodes' reports can be recorded only
+    # builds a backlog in which healthy nodes miss their accept deadlines. A count, not a duration.
+    assign_window: int = 4096
 
     def scaled(self, divisor: float) -> Timing:
-        """Every duration divided by `divisor`; claim_limit untouched."""
+        """Every duration divided by `divisor`; the counts untouched."""
         changes = {
             f.name: getattr(self, f.name) / divisor
             for f in dataclasses.fields(self)
-            if f.name != "claim_limit"
+            if f.name not in ("claim_limit", "assign_window")
         }
         return dataclasses.replace(self, **changes)
 

@@ -85,3 +85,29 @@ async def test_finished_tasks_past_the_retention_are_pruned_with_their_history(s
         left = {r["id"] for r in await c.fetch("SELECT id FROM tasks")}
         assert await c.fetchval("SELECT count(*) FROM task_events WHERE task_id = $1", old) == 0
     assert left == {fresh, live}
+
+
+async def test_the_dispatcher_stops_at_its_window_of_unaccepted_assignments(store: Store) -> None:
+    """Placing faster than nodes accept only builds a backlog in which healthy nodes miss their accept
+    deadlines: with `assign_window` assignments unaccepted, the next tick places nothing until one is."""
+    import dataclasses
+
+    from podium.scheduler.service import Scheduler
+    from podium.states import AttemptState, TaskState
+    from podium.timing import DEFAULT_TIMING
+
+    await add_node(store, "n1", slots=10)
+    ids = [await submit(store) for _ in range(5)]
+    sched = Scheduler(store, dataclasses.replace(DEFAULT_TIMING, assign_window=3), server_id="test")
+    first = await sched.dispatch_once()
+    assert len(first.assigned) == 3 and not first.window_full
+    second = await sched.dispatch_once()
+    assert second.window_full and second.assigned == [] and second.claimed == 0
+    tid, node, tok = first.assigned[0]
+    assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.PROVISIONING, actor="node", fencing_token=tok,
+                                       node_id=node, attempt_state=AttemptState.PROVISIONING)  # fmt: skip
+    third = await sched.dispatch_once()
+    assert len(third.assigned) == 1  # one accepted, one more placed
+    async with store.pool.acquire() as c:
+        assert await c.fetchval("SELECT count(*) FROM tasks WHERE state = 'queued'") == 1
+    assert {a[0] for a in first.assigned + third.assigned} <= set(ids)

@@ -141,3 +141,47 @@ async def test_a_batch_is_stored_whole_or_not_at_all(store: Store) -> None:
         await store.submit_many([(TaskSpec(command=["echo", "c"]), "k3"), (TaskSpec(command=["false"]), "k2")], actor="test")
     async with store.pool.acquire() as c:
         assert await c.fetchval("SELECT count(*) FROM tasks") == 3  # nothing of the refused batch
+
+
+async def test_a_group_commit_gives_each_change_the_answer_it_would_get_alone(store: Store) -> None:
+    """transition_many: several compare-and-sets in one commit. A wrong `from`, a stale token or a
+    foreign node refuses that change only; the accepted ones free capacity exactly as alone."""
+    from podium.store import Change
+
+    await add_node(store, "n1", slots=4)
+    await add_node(store, "n2", slots=4)
+    ids = [await submit(store) for _ in range(4)]
+    out = await place(store)
+    where = {tid: (node, tok) for tid, node, tok in out.assigned}
+    assert set(where) == set(ids)
+    a, b, c, d = ids
+    changes = [
+        Change(a, S.ASSIGNED, S.SUCCEEDED, actor="node", fencing_token=where[a][1], node_id=where[a][0],
+               exit_code=0, end_attempt=AttemptState.EXITED),
+        Change(b, S.RUNNING, S.SUCCEEDED, actor="node", fencing_token=where[b][1], node_id=where[b][0],
+               end_attempt=AttemptState.EXITED),  # wrong from: b is assigned
+        Change(c, S.ASSIGNED, S.PROVISIONING, actor="node", fencing_token=where[c][1] + 1000, node_id=where[c][0],
+               attempt_state=AttemptState.PROVISIONING),  # a stale token
+        Change(d, S.ASSIGNED, S.PROVISIONING, actor="node", fencing_token=where[d][1], node_id="nobody",
+               attempt_state=AttemptState.PROVISIONING),  # a foreign node
+    ]  # fmt: skip
+    results = await store.transition_many(changes)
+    assert [r is not None for r in results] == [True, False, False, False]
+    assert results[0].task_id == a
+    assert [(await store.get_task(t))["state"] for t in ids] == ["succeeded", "assigned", "assigned", "assigned"]
+    reserved = sum([(await node_row(store, n))["res_slots"] for n in ("n1", "n2")])
+    assert reserved == 3  # a's slot freed once, the others still held
+    with pytest.raises(ValueError, match="one change per task"):
+        await store.transition_many([changes[1], changes[1]])
+    with pytest.raises(ValueError, match="not allowed"):
+        await store.transition_many([Change(b, S.SUCCEEDED, S.RUNNING, actor="x")])
+    assert (await store.get_task(b))["state"] == "assigned"  # a refused batch touched nothing
+    # several attempts on one node ending in one statement free all of their capacity
+    rest = [Change(t, S.ASSIGNED, S.LOST, actor="watchdog", reason=reasons.NODE_LOST, end_attempt=AttemptState.LOST)
+            for t in (b, c, d)]  # fmt: skip
+    assert all(await store.transition_many(rest))
+    assert [(await node_row(store, n))["res_slots"] for n in ("n1", "n2")] == [0, 0]
+    assert [(await node_row(store, n))["res_cpu_millis"] for n in ("n1", "n2")] == [0, 0]
+    _, attempts, events = await store.task_detail(c)
+    assert [a["state"] for a in attempts] == ["lost"] and attempts[0]["released"]
+    assert [(e["from_state"], e["to_state"], e["reason"]) for e in events][-1] == ("assigned", "lost", reasons.NODE_LOST)

@@ -9,12 +9,12 @@ def test_defaults_are_the_seed_numbers() -> None:
     assert (t.provisioning_deadline, t.kill_grace, t.cancel_grace) == (15, 30, 60)
 
 
-def test_fast_timers_divide_every_duration_but_not_claim_limit() -> None:
+def test_fast_timers_divide_every_duration_but_not_the_counts() -> None:
     fast = timing_from_env({"PODIUM_TEST_FAST_TIMERS": "1"})
     assert FAST_TIMER_DIVISOR == 10
     for f in dataclasses.fields(fast):
-        if f.name == "claim_limit":
-            assert fast.claim_limit == DEFAULT_TIMING.claim_limit
+        if f.name in ("claim_limit", "assign_window"):
+            assert getattr(fast, f.name) == getattr(DEFAULT_TIMING, f.name)
         else:
             assert getattr(fast, f.name) == getattr(DEFAULT_TIMING, f.name) / 10
 

@@ -13,13 +13,14 @@ import contextlib
 import json
 import logging
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from podium import __version__
+from podium import __version__, metrics
 from podium.errors import Forbidden, NotFound, PodiumError, StoreUnavailable, Unauthorized
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
@@ -27,7 +28,7 @@ from podium.scheduler import policy
 from podium.scheduler.service import Scheduler, facts
 from podium.security.service import Security
 from podium.states import TaskState
-from podium.store import Store
+from podium.store import Change, Store
 from podium.timing import Timing
 from podium import reasons
 
@@ -37,7 +38,24 @@ PROTOCOL_MIN = 1
 PROTOCOL_MAX = 1
 LOG_FLUSH_SECONDS = 0.05
 PERSIST_FOR = 30.0  # seconds a node's report is retried against an unavailable database
+EVENT_BATCH = 1000  # node reports applied in one transaction (one commit) at most
+EVENT_TRIES = 5  # a report whose task keeps moving between read and write is given up after this
+SESSION_BACKLOG = 4096  # reports one stream may have waiting before its reader stops reading
 _KIND = {v: k for k, v in pb.TaskEvent.Kind.items()}
+
+
+@dataclass(eq=False, slots=True)
+class Pending:
+    """A node's report waiting for the next group commit."""
+
+    event: pb.TaskEvent
+    task_id: uuid.UUID
+    kind: str
+    tries: int = 0
+
+    @property
+    def final(self) -> bool:
+        return self.kind in (policy.EXITED, policy.NOT_RUNNING, policy.FAILED_RETRYABLE)
 
 
 @dataclass(eq=False)
@@ -45,10 +63,10 @@ class Session:
     node_id: str
     session: int
     out: asyncio.Queue[pb.ServerMessage | None] = field(default_factory=asyncio.Queue)
-    sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    sync_again: bool = False
     revoked: bool = False
     last_ack: float = float("-inf")  # loop time of the last HeartbeatAck sent
+    events: deque[Pending] = field(default_factory=deque)  # reports in arrival order, not yet applied
+    room: asyncio.Event = field(default_factory=asyncio.Event)  # set while the backlog is below the limit
 
     def send(self, msg: pb.ServerMessage) -> None:
         self.out.put_nowait(msg)
@@ -58,8 +76,20 @@ class Session:
 
 
 class Gateway(pb_grpc.AgentGatewayServicer):
-    def __init__(self, store: Store, scheduler: Scheduler, timing: Timing, *, server_id: str, security: Security) -> None:
+    def __init__(
+        self,
+        store: Store,
+        scheduler: Scheduler,
+        timing: Timing,
+        *,
+        server_id: str,
+        security: Security,
+        beats_store: Store | None = None,
+    ) -> None:
         self.store = store
+        # Heartbeats get connections of their own: however many node reports wait for the store,
+        # a heartbeat flush never queues behind them.
+        self.beats_store = beats_store or store
         self.security = security
         self._revoked_conn = None
         self.scheduler = scheduler
@@ -70,6 +100,13 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self._logs: dict[str, list[tuple[uuid.UUID, int, str, int, bytes]]] = {}
         self._listen_conn = None
         self.events_rejected = 0
+        self.events_applied = 0
+        self.event_batches = 0
+        # sessions with reports waiting, in the order they are served (round robin)
+        self._event_sessions: dict[Session, None] = {}
+        self._events_ready = asyncio.Event()
+        self._outbox_due: set[str] = set()  # nodes to take the outbox of at the next take
+        self._outbox_wake = asyncio.Event()
         # A node stops its attempts itself this long after its last acknowledged heartbeat: two
         # heartbeats before the server may declare it offline and give its work away.
         self.fence_after = max(timing.offline_after - 2 * timing.heartbeat, timing.offline_after / 2)
@@ -81,6 +118,8 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             "gateway.heartbeats": self.heartbeat_loop,
             "gateway.logs": self.log_loop,
             "gateway.outbox": self.outbox_loop,
+            "gateway.events": self.event_loop,
+            "gateway.deliver": self.deliver_loop,
         }
 
     async def heartbeat_loop(self) -> None:
@@ -92,15 +131,14 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             if not beats:
                 continue
             try:
-                recorded = await self.store.heartbeats([(n, sess) for n, (sess, _seq) in beats.items()], self.server_id)
+                with metrics.HEARTBEAT_FLUSH_SECONDS.time():
+                    recorded = await self.beats_store.heartbeats([(n, sess) for n, (sess, _seq) in beats.items()], self.server_id)
             except StoreUnavailable as e:
                 # not acknowledged: the nodes' leases are not renewed, which is the truth
                 log.warning("heartbeats not recorded: %s", e)
                 continue
-            for node_id in beats.keys() - recorded:
-                live = self.sessions.get(node_id)
-                if live is not None and live.session == beats[node_id][0]:
-                    self._beats.setdefault(node_id, beats[node_id])  # its row was busy: next flush
+            # a heartbeat not recorded came on a session that is no longer the node's (or from a node
+            # removed from the fleet): it renews nothing and is not acknowledged
             now = asyncio.get_running_loop().time()
             for node_id, (sess, seq) in beats.items():
                 if node_id not in recorded:
@@ -174,33 +212,42 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self._schedule_sync(node_id)
 
     def _schedule_sync(self, node_id: str) -> None:
-        s = self.sessions.get(node_id)
-        if s is None:
-            return
-        if s.sync_lock.locked():
-            s.sync_again = True
-            return
-        asyncio.get_running_loop().create_task(self._sync(s), name=f"gateway.sync.{node_id}")
+        if node_id in self.sessions:
+            self._outbox_due.add(node_id)
+            self._outbox_wake.set()
 
-    async def _sync(self, s: Session) -> None:
-        """Push what the store says this node is owed. Serialised per node."""
-        async with s.sync_lock:
-            while True:
-                s.sync_again = False
-                try:
-                    rows = await self.store.take_outbox(s.node_id)
-                except StoreUnavailable as e:
-                    log.warning("outbox for %s: %s", s.node_id, e)
-                    return
-                for r in rows:
-                    if r["kind"] == "assign":
-                        await self._send_assign(s, r)
-                    else:
-                        s.send(pb.ServerMessage(cancel=pb.Cancel(
-                            task_id=str(r["task_id"]), fencing_token=r["fencing_token"], reason=r["reason"] or "",
-                        )))  # fmt: skip
-                if not s.sync_again:
-                    return
+    async def deliver_loop(self) -> None:
+        """Push what the store says nodes are owed: every node woken since the last take, in one
+        statement (a dispatch batch spread over a thousand nodes is one take, not a thousand)."""
+        delay = 0.05
+        while True:
+            await self._outbox_wake.wait()
+            self._outbox_wake.clear()
+            due, self._outbox_due = self._outbox_due, set()
+            live = sorted(n for n in due if n in self.sessions)
+            if not live:
+                continue
+            try:
+                with metrics.OUTBOX_TAKE_SECONDS.time():
+                    rows = await self.store.take_outbox(live)
+            except StoreUnavailable as e:
+                log.warning("outbox for %d nodes: %s", len(live), e)
+                self._outbox_due.update(live)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                self._outbox_wake.set()
+                continue
+            delay = 0.05
+            for r in rows:
+                s = self.sessions.get(r["node_id"])
+                if s is None:
+                    continue  # gone since: its next Hello has what it was not sent redelivered
+                if r["kind"] == "assign":
+                    await self._send_assign(s, r)
+                else:
+                    s.send(pb.ServerMessage(cancel=pb.Cancel(
+                        task_id=str(r["task_id"]), fencing_token=r["fencing_token"], reason=r["reason"] or "",
+                    )))  # fmt: skip
 
     async def _send_assign(self, s: Session, r: Any) -> None:
         """Resolve the task's secrets now, immediately before the Assign that carries them, and only
@@ -272,6 +319,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             old.close()
         s = Session(hello.node_id, row["session"])
         self.sessions[hello.node_id] = s
+        metrics.CONNECTED_NODES.set(len(self.sessions))
         log.info("node %s (%s) connected, session %d", hello.name, hello.node_id, s.session)
         s.send(pb.ServerMessage(welcome=pb.Welcome(
             node_id=hello.node_id, server_id=self.server_id, heartbeat_seconds=self.timing.heartbeat,
@@ -296,6 +344,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 await reader
             if self.sessions.get(s.node_id) is s:
                 del self.sessions[s.node_id]
+                metrics.CONNECTED_NODES.set(len(self.sessions))
                 with contextlib.suppress(StoreUnavailable):
                     await self.store.node_disconnected(s.node_id, s.session)
                 log.info("node %s disconnected", s.node_id)
@@ -312,8 +361,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 if kind == "heartbeat":
                     self._beats[s.node_id] = (s.session, msg.heartbeat.seq)
                 elif kind == "event":
-                    ev = msg.event
-                    await self._persist(s, lambda ev=ev: self._on_event(s, ev))  # type: ignore[misc]
+                    await self._enqueue_event(s, msg.event)
                 elif kind == "log":
                     lc = msg.log
                     try:
@@ -331,6 +379,11 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             log.exception("node %s: stream reader failed", s.node_id)
         finally:
             s.close()
+            # what it reported and we did not apply yet goes with the stream: a reconnecting node
+            # reports its attempts again, and re-sends every end not acknowledged
+            metrics.NODE_REPORT_BACKLOG.dec(len(s.events))
+            s.events.clear()
+            self._event_sessions.pop(s, None)
 
     async def _persist(self, s: Session, op: Callable[[], Awaitable[None]]) -> None:
         """Run a store operation for a node, riding out a database blip without dropping the node's
@@ -394,53 +447,171 @@ class Gateway(pb_grpc.AgentGatewayServicer):
     def _accepted(self, s: Session, task_id: str, token: int) -> None:
         s.send(pb.ServerMessage(accepted=pb.Accepted(task_id=task_id, fencing_token=token)))
 
-    async def _on_event(self, s: Session, ev: pb.TaskEvent) -> None:
-        kind = _KIND.get(ev.kind, "")
+    # ---- node reports, group-committed ---------------------------------------------------------
+
+    async def _enqueue_event(self, s: Session, ev: pb.TaskEvent) -> None:
+        """Queue a report for the next group commit, and go on reading the stream (its heartbeats
+        must not wait behind its reports). A node that reports faster than the store takes it is
+        slowed by gRPC flow control: its reader waits while its backlog is full."""
         try:
             task_id = uuid.UUID(ev.task_id)
         except ValueError:
             log.warning("node %s sent an event for a malformed task id %r", s.node_id, ev.task_id)
             return
-        final = kind in (policy.EXITED, policy.NOT_RUNNING, policy.FAILED_RETRYABLE)
-        if final:
-            # the attempt's output arrived before its end on this stream: store it before the end
+        while len(s.events) >= SESSION_BACKLOG:
+            s.room.clear()
+            await s.room.wait()
+        s.events.append(Pending(ev, task_id, _KIND.get(ev.kind, "")))
+        metrics.NODE_REPORT_BACKLOG.inc()
+        self._event_sessions.setdefault(s, None)
+        self._events_ready.set()
+
+    async def event_loop(self) -> None:
+        """Apply node reports in batches: every report that arrived while the last batch was being
+        committed goes into the next one, so a busy fleet costs a commit per batch, not per report.
+        Each report is still its own compare-and-set, decided from the row just read."""
+        delay = 0.05
+        down_since: float | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._events_ready.wait()
+            self._events_ready.clear()
+            while batch := self._take_batch():
+                try:
+                    with metrics.NODE_REPORT_BATCH_SECONDS.time():
+                        await self._apply_batch(batch)
+                except StoreUnavailable as e:
+                    self._put_back(batch)
+                    now = loop.time()
+                    down_since = now if down_since is None else down_since
+                    if now - down_since > PERSIST_FOR:
+                        # a node whose reports cannot be stored for this long reconnects and reports again
+                        log.warning("node reports not stored for %.0fs (%s); closing the streams that sent them", now - down_since, e)
+                        for sess in list(self._event_sessions):
+                            sess.close()
+                        down_since = None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                delay, down_since = 0.05, None
+
+    def _take_batch(self) -> list[tuple[Session, Pending]]:
+        """Up to EVENT_BATCH reports, round robin over the streams, each stream's in arrival order,
+        at most one per task (a later report on the same task waits for the next batch)."""
+        batch: list[tuple[Session, Pending]] = []
+        tasks: set[uuid.UUID] = set()
+        active = list(self._event_sessions)
+        served: list[Session] = []
+        while active and len(batch) < EVENT_BATCH:
+            again = []
+            for s in active:
+                if len(batch) >= EVENT_BATCH:
+                    break
+                if not s.events or s.events[0].task_id in tasks:
+                    continue
+                p = s.events.popleft()
+                metrics.NODE_REPORT_BACKLOG.dec()
+                tasks.add(p.task_id)
+                batch.append((s, p))
+                again.append(s)
+            served.extend(again)
+            active = again
+        for s in dict.fromkeys(served):
+            self._requeue_session(s)
+        return batch
+
+    def _requeue_session(self, s: Session) -> None:
+        """Move a stream to the back of the service order (or out of it when it has nothing left)."""
+        self._event_sessions.pop(s, None)
+        if len(s.events) < SESSION_BACKLOG:
+            s.room.set()
+        if s.events and self.sessions.get(s.node_id) is s:
+            self._event_sessions[s] = None
+
+    def _put_back(self, items: list[tuple[Session, Pending]]) -> None:
+        """Reports that must be tried again go back to the front of their stream's queue, in order."""
+        for s, p in reversed(items):
+            if self.sessions.get(s.node_id) is s:
+                s.events.appendleft(p)
+                metrics.NODE_REPORT_BACKLOG.inc()
+                self._event_sessions.setdefault(s, None)
+        if items:
+            self._events_ready.set()
+
+    async def _apply_batch(self, batch: list[tuple[Session, Pending]]) -> None:
+        if any(p.final for _s, p in batch):
+            # an attempt's output arrived before its end on the same stream: store it before the end
             # becomes visible, so whoever follows the logs of an ended task has all of them
             await self.flush_logs()
-        for _ in range(5):
-            try:
-                row = await self.store.get_task(task_id)
-            except NotFound:
-                row = None
+        rows = await self.store.task_facts_many([p.task_id for _s, p in batch])
+        changes: list[Change] = []
+        planned: list[tuple[Session, Pending]] = []
+        for s, p in batch:
+            ev = p.event
+            row = rows.get(p.task_id)
             if row is None or row["fencing_token"] != ev.fencing_token or row["node_id"] != s.node_id:
-                # A stale or foreign attempt: refuse it and make sure the node stops it.
-                if row is not None and final and row["fencing_token"] == ev.fencing_token:
-                    break  # already recorded (a resend after reconnect): just acknowledge
-                self.events_rejected += 1
-                log.warning(
-                    "node %s: rejected %s for task %s with fencing token %d (the task is %s, token %s, on node %s)",
-                    s.node_id, kind, ev.task_id, ev.fencing_token, None if row is None else row["state"],
-                    None if row is None else row["fencing_token"], None if row is None else row["node_id"],
-                )  # fmt: skip
-                if not final:
-                    s.send(pb.ServerMessage(cancel=pb.Cancel(
-                        task_id=ev.task_id, fencing_token=ev.fencing_token, reason="stale attempt")))  # fmt: skip
-                break
+                if not (row is not None and p.final and row["fencing_token"] == ev.fencing_token):
+                    # a stale or foreign attempt: refuse it, and make sure the node stops it
+                    self._reject(s, p, row)
+                else:
+                    metrics.NODE_REPORTS.labels("settled").inc()
+                # (an end already recorded, sent again after a reconnect, is only acknowledged)
+                self._answer(s, p, applied=False)
+                continue
             f = facts(row)
-            step = policy.on_node_event(f, kind, ev.exit_code if kind == policy.EXITED else None, self.timing)
+            step = policy.on_node_event(f, p.kind, ev.exit_code if p.kind == policy.EXITED else None, self.timing)
             if step is None:
-                if kind == policy.PROVISIONING and f.state in _ACCEPTED:
+                if p.kind == policy.PROVISIONING and f.state in _ACCEPTED:
                     self._accepted(s, ev.task_id, ev.fencing_token)  # a repeat: it was recorded
-                break
-            done = await self.scheduler.apply(
-                task_id, f.state, step, actor=f"node:{s.node_id}", fencing_token=ev.fencing_token, node_id=s.node_id
-            )
+                metrics.NODE_REPORTS.labels("settled").inc()
+                self._answer(s, p, applied=False)
+                continue
+            changes.append(Change(
+                p.task_id, f.state, step.to, actor=f"node:{s.node_id}", reason=step.reason,
+                fencing_token=ev.fencing_token, node_id=s.node_id, exit_code=step.exit_code,
+                lease_seconds=step.lease_seconds, end_attempt=step.end_attempt,
+                attempt_state=step.attempt_state, stop=step.stop,
+            ))  # fmt: skip
+            planned.append((s, p))
+        results = await self.store.transition_many(changes) if changes else []
+        self.event_batches += 1
+        metrics.NODE_REPORT_BATCH.observe(len(batch))
+        again: list[tuple[Session, Pending]] = []
+        for (s, p), done in zip(planned, results, strict=True):
             if done is not None:
-                if kind == policy.PROVISIONING:
-                    self._accepted(s, ev.task_id, ev.fencing_token)
-                break
-            # the task moved between the read and the write (a sweep, a cancel): read again
-        if final:
-            s.send(pb.ServerMessage(ack=pb.Ack(task_id=ev.task_id, fencing_token=ev.fencing_token)))
+                self.events_applied += 1
+                metrics.NODE_REPORTS.labels("applied").inc()
+                self._answer(s, p, applied=True)
+                continue
+            # the task moved between the read and the write (a sweep, a cancel): decide again
+            p.tries += 1
+            if p.tries < EVENT_TRIES:
+                again.append((s, p))
+            else:
+                log.warning("node %s: %s for task %s kept losing races; dropped", s.node_id, p.kind, p.task_id)
+                metrics.NODE_REPORTS.labels("dropped").inc()
+                self._answer(s, p, applied=False)
+        self._put_back(again)
+
+    def _reject(self, s: Session, p: Pending, row: Any) -> None:
+        self.events_rejected += 1
+        metrics.NODE_REPORTS.labels("rejected").inc()
+        ev = p.event
+        log.warning(
+            "node %s: rejected %s for task %s with fencing token %d (the task is %s, token %s, on node %s)",
+            s.node_id, p.kind, ev.task_id, ev.fencing_token, None if row is None else row["state"],
+            None if row is None else row["fencing_token"], None if row is None else row["node_id"],
+        )  # fmt: skip
+        if not p.final:
+            s.send(pb.ServerMessage(cancel=pb.Cancel(task_id=ev.task_id, fencing_token=ev.fencing_token, reason="stale attempt")))
+
+    def _answer(self, s: Session, p: Pending, *, applied: bool) -> None:
+        """What the node hears once its report is settled: Accepted when its provisioning was just
+        recorded (it may start the attempt), and an Ack for every end (it may forget it)."""
+        if applied and p.kind == policy.PROVISIONING:
+            self._accepted(s, p.event.task_id, p.event.fencing_token)
+        if p.final:
+            s.send(pb.ServerMessage(ack=pb.Ack(task_id=p.event.task_id, fencing_token=p.event.fencing_token)))
 
 
 # States in which an attempt's "provisioning" has been recorded: the node may start it.

@@ -20,19 +20,20 @@ from typing import Any
 
 import asyncpg
 
-from podium import reasons
+from podium import metrics, reasons
 from podium.errors import NotFound, StoreUnavailable
 from podium.placement import NodeSnapshot, NodeVerdict, Placer, Requirements, Resources, Unplaceable, explain
 from podium.scheduler import policy
 from podium.scheduler.policy import Step, TaskFacts
 from podium.states import TaskState
 from podium.store import Store, Transition
-from podium.store.db import CONNECTION_ERRORS, PlacementDecision
+from podium.store.db import CONNECTION_ERRORS, DispatchOutcome, PlacementDecision
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
 
 SWEEP_LIMIT = 1000  # rows one watchdog query looks at; the next sweep takes the rest
+WINDOW_POLL = 0.02  # seconds between looks at a full assignment window
 PRUNE_EVERY = 60.0  # seconds between deletions of tasks older than the retention
 PRUNE_BATCH = 5000  # tasks deleted at most per pass, so one pass never holds locks for long
 DEFAULT_RETENTION = 7 * 86400.0  # seconds a finished task, its events and its logs are kept
@@ -130,7 +131,12 @@ class Scheduler:
             try:
                 await self._ensure_listening()
                 outcome = await self.dispatch_once()
-                full = outcome.claimed >= self.timing.claim_limit and outcome.assigned
+                if outcome.window_full:
+                    # Nodes are behind on accepting what they were given; nothing wakes us when they
+                    # catch up, so look again soon rather than at the next tick.
+                    await asyncio.sleep(min(self.timing.tick, WINDOW_POLL))
+                    continue
+                full = outcome.claimed >= outcome.limit and outcome.assigned
                 if full:
                     continue  # more may be waiting: don't sleep between full batches
             except StoreUnavailable as e:
@@ -146,15 +152,26 @@ class Scheduler:
             self._wake.clear()
 
     async def dispatch_once(self) -> Any:
-        outcome = await self.store.dispatch(
-            claim_limit=self.timing.claim_limit,
+        in_flight = await self.store.assigned_in_flight(self.timing.assign_window)
+        limit = min(self.timing.claim_limit, self.timing.assign_window - in_flight)
+        if limit <= 0:
+            metrics.DISPATCH_WINDOW_FULL.inc()
+            return DispatchOutcome(window_full=True)
+        with metrics.DISPATCH_SECONDS.time():
+            outcome = await self._dispatch(limit)
+        self.placed_total += len(outcome.assigned)
+        metrics.PLACEMENTS.inc(len(outcome.assigned))
+        outcome.limit = limit
+        return outcome
+
+    async def _dispatch(self, limit: int) -> DispatchOutcome:
+        return await self.store.dispatch(
+            claim_limit=limit,
             accept_seconds=self.timing.provisioning_deadline,
             lease_seconds=self.timing.lease_ttl,
             decide=self.decide,
             actor=self.actor,
         )
-        self.placed_total += len(outcome.assigned)
-        return outcome
 
     def decide(
         self, tasks: list[asyncpg.Record], nodes: list[asyncpg.Record]

@@ -1,6 +1,6 @@
 """`Store` is the only code that runs queries. Every task state change goes through
-`transition_task`, a single compare-and-set statement with an explicit `from`; the dispatch batch is
-the same compare-and-set applied to many rows at once.
+`transition_task` (or `transition_many` for a batch): one compare-and-set statement with an explicit
+`from` per task; the dispatch batch is the same compare-and-set applied to many rows at once.
 
 This module must never decide policy (which node, requeue or lose): callers decide, the store makes
 the decision durable or refuses it.
@@ -59,6 +59,38 @@ class Transition:
     attempt_node: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One compare-and-set to make: `Store.transition_task`'s arguments as a value, for batches."""
+
+    task_id: uuid.UUID
+    from_: TaskState | str
+    to: TaskState | str
+    actor: str
+    reason: str | None = None
+    fencing_token: int | None = None
+    node_id: str | None = None
+    exit_code: int | None = None
+    lease_seconds: float | None = None
+    end_attempt: AttemptState | str | None = None
+    attempt_state: AttemptState | str | None = None
+    stop: bool = False
+
+    def row(self) -> tuple[Any, ...]:
+        if not is_allowed(TaskState(self.from_), TaskState(self.to)):
+            raise ValueError(f"transition {self.from_} → {self.to} is not allowed")
+        return (
+            self.task_id, str(self.from_), str(self.to), self.reason, self.fencing_token, self.node_id,
+            self.exit_code, self.lease_seconds, None if self.end_attempt is None else str(self.end_attempt),
+            None if self.attempt_state is None else str(self.attempt_state), self.stop, self.actor,
+        )  # fmt: skip
+
+
+def _columns(changes: Sequence[Change]) -> list[list[Any]]:
+    """`transition_tasks` takes its rows as columns (arrays): one statement for any number of changes."""
+    return [list(c) for c in zip(*(ch.row() for ch in changes), strict=True)]
+
+
 @dataclass(slots=True)
 class PlacementDecision:
     task_id: uuid.UUID
@@ -76,6 +108,8 @@ class DispatchOutcome:
     assigned: list[tuple[uuid.UUID, str, int]] = field(default_factory=list)  # (task, node, token)
     unplaced: dict[uuid.UUID, str] = field(default_factory=dict)  # task → reason
     lost_races: int = 0  # placements whose node filled up under another scheduler
+    limit: int = 0  # how many tasks this batch could claim
+    window_full: bool = False  # nothing claimed: too many assignments wait for their nodes already
 
 
 # (claimed task rows, node rows) → (placements, {task: queued reason})
@@ -268,30 +302,45 @@ class Store:
         lease from the database clock (negative: no lease of its own, held by node health). `stop`
         asks the node to stop the attempt.
         """
-        if not is_allowed(TaskState(from_), TaskState(to)):
-            raise ValueError(f"transition {from_} → {to} is not allowed")
-        args = (
-            task_id,
-            str(from_),
-            str(to),
-            reason,
-            fencing_token,
-            node_id,
-            exit_code,
-            lease_seconds,
-            None if end_attempt is None else str(end_attempt),
-            None if attempt_state is None else str(attempt_state),
-            stop,
-            actor,
-        )
+        change = Change(
+            task_id, from_, to, actor=actor, reason=reason, fencing_token=fencing_token, node_id=node_id,
+            exit_code=exit_code, lease_seconds=lease_seconds, end_attempt=end_attempt,
+            attempt_state=attempt_state, stop=stop,
+        )  # fmt: skip
+        cols = _columns([change])
         if conn is not None:
-            row = await conn.fetchrow(self.q["transition_task"], *args)
+            row = await conn.fetchrow(self.q["transition_tasks"], *cols)
         else:
             async with self._conn() as c:
-                row = await c.fetchrow(self.q["transition_task"], *args)
+                row = await c.fetchrow(self.q["transition_tasks"], *cols)
         if row is None:
             return None
         return Transition(row["id"], row["fencing_token"], row["attempt_node"])
+
+    async def transition_many(self, changes: Sequence[Change]) -> list[Transition | None]:
+        """Many compare-and-sets in one statement and one commit (a group commit), each with the answer
+        it would get alone. At most one change per task. The rows are locked first — the tasks in id
+        order, then their nodes in id order — the order a single change and placement take them in."""
+        ids = [c.task_id for c in changes]
+        if len(set(ids)) != len(ids):
+            raise ValueError("transition_many takes at most one change per task")
+        if not changes:
+            return []
+        cols = _columns(changes)
+        async with self._conn() as conn, conn.transaction():
+            await conn.execute(self.q["lock_tasks"], ids)
+            await conn.execute(self.q["lock_nodes_of_tasks"], ids)
+            rows = await conn.fetch(self.q["transition_tasks"], *cols)
+        done = {r["id"]: Transition(r["id"], r["fencing_token"], r["attempt_node"]) for r in rows}
+        return [done.get(c.task_id) for c in changes]
+
+    async def task_facts_many(self, task_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, asyncpg.Record]:
+        async with self._conn() as conn:
+            return {r["id"]: r for r in await conn.fetch(self.q["task_facts_many"], list(task_ids))}
+
+    async def assigned_in_flight(self, up_to: int) -> int:
+        async with self._conn() as conn:
+            return int(await conn.fetchval(self.q["assigned_in_flight"], up_to))
 
     async def get_task(self, task_id: uuid.UUID) -> asyncpg.Record:
         async with self._conn() as conn:
@@ -428,7 +477,8 @@ class Store:
             )  # fmt: skip
 
     async def heartbeats(self, beats: Sequence[tuple[str, int]], gateway_id: str) -> set[str]:
-        """Record heartbeats; returns the nodes recorded (a node whose row was busy is not)."""
+        """Record heartbeats; returns the nodes recorded (not those whose session is no longer current,
+        nor removed nodes)."""
         if not beats:
             return set()
         async with self._conn() as conn:
@@ -457,9 +507,10 @@ class Store:
             async with self._conn() as conn:
                 await conn.execute(self.q["request_stop"], list(tokens), node_id)
 
-    async def take_outbox(self, node_id: str) -> list[asyncpg.Record]:
+    async def take_outbox(self, node_ids: Sequence[str]) -> list[asyncpg.Record]:
+        """What the nodes are owed (Assigns, stops), marked sent; ordered by node, then token."""
         async with self._conn() as conn:
-            return await conn.fetch(self.q["take_outbox"], node_id)
+            return await conn.fetch(self.q["take_outbox"], list(node_ids))
 
     async def nodes_with_outbox(self) -> list[str]:
         async with self._conn() as conn:

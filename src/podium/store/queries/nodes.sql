@@ -27,14 +27,16 @@ RETURNING id, session, draining, pg_notify('podium_dispatch', '')
 -- heartbeats --
 -- One statement for every heartbeat a gateway received since its last flush. Health comes back to
 -- online (a node that talks again is reachable again); only the node's current session counts.
--- Rows are locked in id order and a row another transaction holds is skipped (its heartbeat is
--- kept for the next flush), so this can neither deadlock with placement nor wait behind it.
+-- Rows are locked in id order, the order placement and a group commit of node reports take them in,
+-- so this can wait behind them (milliseconds) but never deadlock with them. It must not skip a busy
+-- row: on a busy fleet a node's row is nearly always held by some batch, and a heartbeat skipped
+-- every time is a healthy node declared unreachable.
 WITH d AS (SELECT * FROM unnest($1::text[], $2::bigint[]) AS d(id, session)),
 locked AS (
     SELECT n.id FROM nodes n JOIN d ON d.id = n.id AND d.session = n.session
     WHERE n.revoked_at IS NULL
     ORDER BY n.id
-    FOR NO KEY UPDATE OF n SKIP LOCKED
+    FOR NO KEY UPDATE OF n
 )
 UPDATE nodes n SET last_heartbeat_at = now(), health = 'online', connected = true, gateway_id = $3
 FROM locked WHERE n.id = locked.id

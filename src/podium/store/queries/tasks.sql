@@ -35,78 +35,107 @@ SELECT * FROM tasks WHERE idempotency_key = ANY($1::text[])
 -- task_by_idempotency_key --
 SELECT * FROM tasks WHERE idempotency_key = $1
 
--- transition_task --
--- The one compare-and-set every state change goes through. $2 is the expected state; $5 (a fencing
--- token) and $6 (a node id) are checked when a node is the actor. Zero rows: rejected, nothing changed.
--- $9 ends the current attempt with that attempt state, freeing its capacity exactly once; $10 moves
--- it forward instead (provisioning, running); $11 asks the node to stop it.
-WITH t AS (
+-- transition_tasks --
+-- The one compare-and-set every state change goes through, for one task or for many in one statement
+-- (a group commit of node reports); each row of the input is its own compare-and-set with its own
+-- answer. Per row: `from_state` is the expected state; `token` and `node` are checked when a node is
+-- the actor. A row that matches nothing was rejected and changed nothing. `end_attempt` ends the
+-- current attempt with that attempt state, freeing its capacity exactly once; `attempt_state` moves
+-- it forward instead (provisioning, running); `stop` asks the node to stop it. At most one row per task.
+WITH d AS (
+    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::int[],
+                         $8::float8[], $9::text[], $10::text[], $11::bool[], $12::text[])
+        AS d(id, from_state, to_state, reason, token, node, exit_code, lease, end_attempt, attempt_state, stop, actor)
+), t AS (
     UPDATE tasks SET
-        state = $3,
-        reason = $4,
-        exit_code = CASE WHEN $7::int IS NULL THEN exit_code ELSE $7 END,
+        state = d.to_state,
+        reason = d.reason,
+        exit_code = CASE WHEN d.exit_code IS NULL THEN tasks.exit_code ELSE d.exit_code END,
         lease_expires_at = CASE
-            WHEN $9::text IS NOT NULL THEN NULL
-            WHEN $8::float8 IS NULL THEN lease_expires_at
-            WHEN $8 < 0 THEN NULL
-            ELSE now() + make_interval(secs => $8) END,
-        accept_deadline = CASE WHEN $3 = 'assigned' THEN accept_deadline ELSE NULL END,
+            WHEN d.end_attempt IS NOT NULL THEN NULL
+            WHEN d.lease IS NULL THEN tasks.lease_expires_at
+            WHEN d.lease < 0 THEN NULL
+            ELSE now() + make_interval(secs => d.lease) END,
+        accept_deadline = CASE WHEN d.to_state = 'assigned' THEN tasks.accept_deadline ELSE NULL END,
         started_at = CASE
-            WHEN $9::text IS NOT NULL THEN NULL
-            WHEN $3 = 'running' AND started_at IS NULL THEN now()
-            ELSE started_at END,
-        cancel_requested_at = CASE WHEN $3 = 'cancelling' THEN now() WHEN $3 = 'queued' THEN NULL ELSE cancel_requested_at END,
-        cancel_reason = CASE WHEN $3 = 'cancelling' THEN $4 WHEN $3 = 'queued' THEN NULL ELSE cancel_reason END,
-        node_id = CASE WHEN $9::text IS NOT NULL THEN NULL ELSE node_id END,
-        finished_at = CASE WHEN $3 IN ('succeeded', 'failed', 'cancelled', 'lost') THEN now() ELSE NULL END,
+            WHEN d.end_attempt IS NOT NULL THEN NULL
+            WHEN d.to_state = 'running' AND tasks.started_at IS NULL THEN now()
+            ELSE tasks.started_at END,
+        cancel_requested_at = CASE WHEN d.to_state = 'cancelling' THEN now()
+                                   WHEN d.to_state = 'queued' THEN NULL ELSE tasks.cancel_requested_at END,
+        cancel_reason = CASE WHEN d.to_state = 'cancelling' THEN d.reason
+                             WHEN d.to_state = 'queued' THEN NULL ELSE tasks.cancel_reason END,
+        node_id = CASE WHEN d.end_attempt IS NOT NULL THEN NULL ELSE tasks.node_id END,
+        finished_at = CASE WHEN d.to_state IN ('succeeded', 'failed', 'cancelled', 'lost') THEN now() ELSE NULL END,
         updated_at = now()
-    WHERE id = $1 AND state = $2
-      AND ($5::bigint IS NULL OR fencing_token = $5)
-      AND ($6::text IS NULL OR node_id = $6)
-    RETURNING id, fencing_token, state
+    FROM d
+    WHERE tasks.id = d.id AND tasks.state = d.from_state
+      AND (d.token IS NULL OR tasks.fencing_token = d.token)
+      AND (d.node IS NULL OR tasks.node_id = d.node)
+    RETURNING tasks.id, tasks.fencing_token, d.from_state, d.to_state, d.reason, d.exit_code, d.end_attempt,
+              d.attempt_state, d.stop, d.actor
 ), ended AS (
     UPDATE attempts a SET
-        state = $9, finished_at = now(), reason = $4, released = true,
-        exit_code = CASE WHEN $7::int IS NULL THEN a.exit_code ELSE $7 END,
-        stop_requested_at = CASE WHEN $11::bool THEN now() ELSE a.stop_requested_at END
+        state = t.end_attempt, finished_at = now(), reason = t.reason, released = true,
+        exit_code = CASE WHEN t.exit_code IS NULL THEN a.exit_code ELSE t.exit_code END,
+        stop_requested_at = CASE WHEN t.stop THEN now() ELSE a.stop_requested_at END
     FROM t
-    WHERE $9::text IS NOT NULL AND a.fencing_token = t.fencing_token AND NOT a.released
-    RETURNING a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus, a.fencing_token
+    WHERE t.end_attempt IS NOT NULL AND a.fencing_token = t.fencing_token AND NOT a.released
+    RETURNING a.task_id, a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus, a.fencing_token, t.stop
 ), unclaimed AS (
     DELETE FROM gpu_claims g USING ended WHERE g.fencing_token = ended.fencing_token AND ended.gpus > 0
 ), moved AS (
     UPDATE attempts a SET
-        state = COALESCE($10::text, a.state),
-        provisioning_at = CASE WHEN $10 = 'provisioning' THEN now() ELSE a.provisioning_at END,
-        started_at = CASE WHEN $10 = 'running' THEN now() ELSE a.started_at END,
-        stop_requested_at = CASE WHEN $11::bool THEN now() ELSE a.stop_requested_at END,
-        stop_sent_at = CASE WHEN $11::bool THEN NULL ELSE a.stop_sent_at END
+        state = COALESCE(t.attempt_state, a.state),
+        provisioning_at = CASE WHEN t.attempt_state = 'provisioning' THEN now() ELSE a.provisioning_at END,
+        started_at = CASE WHEN t.attempt_state = 'running' THEN now() ELSE a.started_at END,
+        stop_requested_at = CASE WHEN t.stop THEN now() ELSE a.stop_requested_at END,
+        stop_sent_at = CASE WHEN t.stop THEN NULL ELSE a.stop_sent_at END
     FROM t
-    WHERE $9::text IS NULL AND ($10::text IS NOT NULL OR $11::bool) AND a.fencing_token = t.fencing_token
-    RETURNING a.node_id
+    WHERE t.end_attempt IS NULL AND (t.attempt_state IS NOT NULL OR t.stop) AND a.fencing_token = t.fencing_token
+    RETURNING a.task_id, a.node_id, t.stop
 ), freed AS (
+    -- one UPDATE row per node, whatever number of its attempts ended here
     UPDATE nodes n SET
-        res_cpu_millis = n.res_cpu_millis - ended.cpu_millis,
-        res_memory_bytes = n.res_memory_bytes - ended.memory_bytes,
-        res_disk_bytes = n.res_disk_bytes - ended.disk_bytes,
-        res_gpus = n.res_gpus - ended.gpus,
-        res_slots = n.res_slots - 1
-    FROM ended WHERE n.id = ended.node_id
+        res_cpu_millis = n.res_cpu_millis - f.cpu,
+        res_memory_bytes = n.res_memory_bytes - f.mem,
+        res_disk_bytes = n.res_disk_bytes - f.disk,
+        res_gpus = n.res_gpus - f.gpus,
+        res_slots = n.res_slots - f.slots
+    FROM (SELECT node_id, sum(cpu_millis) AS cpu, sum(memory_bytes) AS mem, sum(disk_bytes) AS disk,
+                 sum(gpus) AS gpus, count(*) AS slots
+          FROM ended GROUP BY node_id) f
+    WHERE n.id = f.node_id
     RETURNING n.id
 ), e AS (
     INSERT INTO task_events (task_id, from_state, to_state, reason, actor, fencing_token)
-    SELECT t.id, $2, $3, $4, $12, t.fencing_token FROM t
+    SELECT t.id, t.from_state, t.to_state, t.reason, t.actor, t.fencing_token FROM t
+), woke_node AS (
+    -- wake the gateway of every node that must send a stop, and the dispatcher once when room was
+    -- freed or work was queued; delivered only if the transaction commits
+    SELECT count(pg_notify('podium_node', x.node_id)) AS n
+    FROM (SELECT DISTINCT node_id FROM (SELECT node_id, stop FROM ended UNION ALL SELECT node_id, stop FROM moved) y
+          WHERE y.stop) x
+), woke_dispatch AS (
+    SELECT count(pg_notify('podium_dispatch', '')) AS n
+    FROM (SELECT 1 WHERE EXISTS (SELECT 1 FROM freed) OR EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued')) z
 )
 SELECT t.id, t.fencing_token,
-       (SELECT node_id FROM ended UNION ALL SELECT node_id FROM moved LIMIT 1) AS attempt_node,
-       (SELECT count(*) FROM freed) AS freed,
-       -- wake the node's gateway when it must send a stop, and the dispatcher when room was freed
-       -- or work was queued; delivered only if this statement commits
-       (SELECT count(*) FROM (SELECT pg_notify('podium_node', x.node_id)
-            FROM (SELECT node_id FROM ended UNION ALL SELECT node_id FROM moved) x WHERE $11::bool) n1) AS woke_node,
-       (SELECT count(*) FROM (SELECT pg_notify('podium_dispatch', '')
-            FROM (SELECT 1 FROM freed UNION ALL SELECT 1 WHERE $3 = 'queued') y) n2) AS woke_dispatch
+       (SELECT node_id FROM ended WHERE ended.task_id = t.id UNION ALL
+        SELECT node_id FROM moved WHERE moved.task_id = t.id LIMIT 1) AS attempt_node,
+       (SELECT n FROM woke_node) AS woke_node, (SELECT n FROM woke_dispatch) AS woke_dispatch
 FROM t
+
+-- lock_tasks --
+-- A batch of changes takes its task rows in id order (and then its nodes', with lock_nodes), the
+-- order a single change takes them in (its task, then its node): batches, single changes and
+-- placement never wait for each other in a cycle.
+SELECT id FROM tasks WHERE id = ANY($1::uuid[]) ORDER BY id FOR NO KEY UPDATE
+
+-- lock_nodes_of_tasks --
+SELECT n.id FROM nodes n
+WHERE n.id IN (SELECT node_id FROM tasks WHERE id = ANY($1::uuid[]) AND node_id IS NOT NULL)
+ORDER BY n.id FOR NO KEY UPDATE
 
 -- claim_queued --
 -- The dispatch claim. SKIP LOCKED lets several schedulers claim disjoint batches at once. `avoid` is
@@ -188,22 +217,32 @@ SELECT pg_notify('podium_node', n) FROM unnest($1::text[]) AS n
 SELECT pg_notify('podium_dispatch', '')
 
 -- take_outbox --
--- What a gateway owes one node: Assigns not yet pushed, and stops not yet sent. Marked as sent in the
--- same statement; a send that then fails is repaired by the node's next Hello.
-WITH assigns AS (
+-- What a gateway owes a set of nodes: Assigns not yet pushed, and stops not yet sent. Marked as sent
+-- in the same statement; a send that then fails is repaired by the node's next Hello. One statement
+-- for every node woken since the last take. The attempt rows are locked in (node, task) order, the
+-- order a group commit of node reports takes them in, so the two never deadlock.
+WITH due AS (
+    SELECT a.fencing_token FROM attempts a
+    WHERE a.node_id = ANY($1::text[])
+      AND ((a.state = 'assigned' AND a.delivered_at IS NULL) OR (a.stop_requested_at IS NOT NULL AND a.stop_sent_at IS NULL))
+    ORDER BY a.node_id, a.task_id
+    FOR NO KEY UPDATE OF a
+), assigns AS (
     UPDATE attempts a SET delivered_at = now()
-    FROM tasks t
-    WHERE a.node_id = $1 AND a.state = 'assigned' AND a.delivered_at IS NULL
+    FROM due, tasks t
+    WHERE a.fencing_token = due.fencing_token AND a.state = 'assigned' AND a.delivered_at IS NULL
       AND t.id = a.task_id AND t.fencing_token = a.fencing_token AND t.state = 'assigned'
-    RETURNING a.task_id, a.attempt, a.fencing_token, a.gpu_indexes, t.spec::text AS spec
+    RETURNING a.node_id, a.task_id, a.attempt, a.fencing_token, a.gpu_indexes, t.spec::text AS spec
 ), stops AS (
     UPDATE attempts a SET stop_sent_at = now()
-    WHERE a.node_id = $1 AND a.stop_requested_at IS NOT NULL AND a.stop_sent_at IS NULL
-    RETURNING a.task_id, a.fencing_token, a.reason
+    FROM due
+    WHERE a.fencing_token = due.fencing_token AND a.stop_requested_at IS NOT NULL AND a.stop_sent_at IS NULL
+    RETURNING a.node_id, a.task_id, a.fencing_token, a.reason
 )
-SELECT 'assign' AS kind, task_id, attempt, fencing_token, gpu_indexes, spec, NULL AS reason FROM assigns
+SELECT 'assign' AS kind, node_id, task_id, attempt, fencing_token, gpu_indexes, spec, NULL AS reason FROM assigns
 UNION ALL
-SELECT 'stop', task_id, NULL, fencing_token, NULL, NULL, reason FROM stops
+SELECT 'stop', node_id, task_id, NULL, fencing_token, NULL, NULL, reason FROM stops
+ORDER BY node_id, fencing_token
 
 -- tasks_on_node --
 SELECT id, state, fencing_token FROM tasks
@@ -219,6 +258,16 @@ WHERE fencing_token = ANY($1::bigint[]) AND node_id = $2
 
 -- get_task --
 SELECT * FROM tasks WHERE id = $1
+
+-- task_facts_many --
+-- What a batch of node reports needs to decide on: read without locks; each change is then a
+-- compare-and-set on what was read here.
+SELECT id, state, fencing_token, node_id, attempts, max_attempts, requeue_on_node_loss, timeout_seconds, cancel_reason
+FROM tasks WHERE id = ANY($1::uuid[])
+
+-- assigned_in_flight --
+-- Assignments not yet accepted by their node, counted up to $1: the dispatcher's window.
+SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state = 'assigned' LIMIT $1) x
 
 -- task_attempts --
 SELECT * FROM attempts WHERE task_id = $1 ORDER BY attempt

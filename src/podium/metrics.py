@@ -1,0 +1,46 @@
+"""The server's own Prometheus metrics, served at `/metrics` beside the process collector's.
+
+Module-level, as prometheus_client intends: one registry per process. Several servers in one test
+process share them, so tests compare before/after values rather than absolute ones.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SIZES = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000)
+
+PLACEMENTS = Counter("podium_placements_total", "Tasks assigned to a node by this server's dispatcher.")
+DISPATCH_SECONDS = Histogram(
+    "podium_dispatch_seconds", "One dispatch batch: claim, place, reserve, assign, commit.", buckets=_FAST
+)
+DISPATCH_WINDOW_FULL = Counter(
+    "podium_dispatch_window_full_total",
+    "Dispatch ticks that placed nothing because the fleet had `assign_window` assignments unaccepted.",
+)
+NODE_REPORTS = Counter(
+    "podium_node_reports_total",
+    "Task events from nodes, by what became of them: applied (a transition), settled (nothing to change), "
+    "rejected (a stale or foreign attempt) or dropped (kept losing races).",
+    ["outcome"],
+)
+NODE_REPORT_BATCH = Histogram(
+    "podium_node_report_batch_size", "Node reports applied per group commit.", buckets=_SIZES
+)
+NODE_REPORT_BATCH_SECONDS = Histogram(
+    "podium_node_report_batch_seconds", "One group commit of node reports: read, decide, write, commit.", buckets=_FAST
+)
+NODE_REPORT_BACKLOG = Gauge("podium_node_report_backlog", "Node reports received and not yet applied.")
+HEARTBEAT_FLUSH_SECONDS = Histogram(
+    "podium_heartbeat_flush_seconds", "One flush of the heartbeats received since the last.", buckets=_FAST
+)
+OUTBOX_TAKE_SECONDS = Histogram(
+    "podium_outbox_take_seconds", "One take of what woken nodes are owed (Assigns, stops).", buckets=_FAST
+)
+CONNECTED_NODES = Gauge("podium_connected_nodes", "Agent streams open on this server.")
+LOOP_LAG_SECONDS = Histogram(
+    "podium_event_loop_lag_seconds",
+    "How late the server's event loop ran a callback due now: its backlog of ready work.",
+    buckets=_FAST,
+)
