@@ -7,6 +7,7 @@
     ├── Unauthorized        — no valid credential (401)
     ├── Forbidden           — a valid credential that may not do this (403)
     ├── StoreUnavailable    — PostgreSQL cannot be reached; nothing was written
+    ├── Overloaded          — the server sheds submissions until it catches up (429, Retry-After)
     └── EmbeddedDatabaseError — the embedded PostgreSQL would not start
 
 Driver errors are translated into these at the edge of the store, so nothing above it imports asyncpg.
@@ -44,6 +45,14 @@ class Forbidden(PodiumError):
 
 class StoreUnavailable(PodiumError):
     """The database cannot be reached; nothing was written."""
+
+
+class Overloaded(PodiumError):
+    """The server is overloaded; retry later."""
+
+    def __init__(self, message: str | None = None, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EmbeddedDatabaseError(PodiumError):

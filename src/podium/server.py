@@ -21,6 +21,7 @@ import uvicorn
 
 from podium import metrics
 from podium.api.app import create_app
+from podium.pressure import DEFAULT_MAX_LAG, Pressure
 from podium.gateway.service import Gateway
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.scheduler.service import Scheduler
@@ -50,6 +51,7 @@ class ServerConfig:
     tls_key: Path | None = None
     client_ca: Path | None = None  # PEM; agents must present a certificate it signed (mutual TLS)
     retention: float = 7 * 86400.0  # seconds finished tasks (with their events and logs) are kept
+    max_lag: float = DEFAULT_MAX_LAG  # seconds of event-loop lag past which submissions are shed; 0: never
 
 
 class LoopDied(Exception):
@@ -65,7 +67,9 @@ class PodiumServer:
         self.store: Store | None = None
         self.liveness_store: Store | None = None
         self.beats_store: Store | None = None
+        self.reports_store: Store | None = None
         self.started = asyncio.Event()
+        self.pressure = Pressure()
         self._stop = asyncio.Event()
 
     async def _database_url(self) -> str:
@@ -79,6 +83,17 @@ class PodiumServer:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _watch_loop_lag(self) -> None:
+        """How late a timer due now runs: the clearest single sign that the server has more ready work
+        than one core can do (every node's heartbeat ack waits that long too). It feeds admission."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(LAG_PROBE)
+            lag = max(0.0, loop.time() - t - LAG_PROBE)
+            metrics.LOOP_LAG_SECONDS.observe(lag)
+            self.pressure.observe_lag(lag)
 
     async def run(self) -> None:
         try:
@@ -101,14 +116,17 @@ class PodiumServer:
         # Node reports and heartbeats get a pool of their own: a burst of API traffic must never
         # make a healthy node look silent, or a prompt accept look late.
         self.liveness_store = await Store.connect(url, min_size=2, max_size=10)
-        # and heartbeats one more of their own, so no backlog of reports ever delays them
+        # and heartbeats one more of their own, so no backlog of reports ever delays them; the
+        # group commits of reports and the outbox takes one more, so no Hello storm delays those
         self.beats_store = await Store.connect(url, min_size=1, max_size=2)
+        self.reports_store = await Store.connect(url, min_size=2, max_size=3)
         gateway_scheduler = Scheduler(
             self.liveness_store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy
         )
         gateway = Gateway(
             self.liveness_store, gateway_scheduler, self.timing, server_id=self.server_id,
             security=Security(self.liveness_store, security.box), beats_store=self.beats_store,
+            reports_store=self.reports_store,
         )  # fmt: skip
 
         grpc_server = grpc.aio.server(options=[("grpc.keepalive_time_ms", 20000), ("grpc.so_reuseport", 0)])
@@ -127,7 +145,8 @@ class PodiumServer:
             raise OSError(f"cannot listen for agents on {self.cfg.grpc_host}:{self.cfg.grpc_port}: the port is in use")
         await grpc_server.start()
 
-        app = create_app(store, scheduler, security)
+        self.pressure = Pressure(max_lag=self.cfg.max_lag or float("inf"), backlog=lambda: gateway.report_backlog)
+        app = create_app(store, scheduler, security, self.pressure)
         tls = {}
         if self.cfg.tls_cert and self.cfg.tls_key:
             tls = {"ssl_certfile": str(self.cfg.tls_cert), "ssl_keyfile": str(self.cfg.tls_key)}
@@ -136,7 +155,7 @@ class PodiumServer:
         api.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # we own the signals
 
         loops: dict[str, Callable[[], Awaitable[None]]] = {
-            **scheduler.tasks(), **gateway.tasks(), "api": api.serve, "server.lag": _watch_loop_lag,
+            **scheduler.tasks(), **gateway.tasks(), "api": api.serve, "server.lag": self._watch_loop_lag,
         }  # fmt: skip
         tasks = {asyncio.create_task(fn(), name=name) for name, fn in loops.items()}
         stopper = asyncio.create_task(self._stop.wait(), name="stop")
@@ -172,20 +191,11 @@ class PodiumServer:
             await scheduler.close()
             await self.liveness_store.close()
             await self.beats_store.close()
+            await self.reports_store.close()
             await store.close()
 
 
 LAG_PROBE = 0.25  # seconds between probes of the event loop's lag
-
-
-async def _watch_loop_lag() -> None:
-    """How late a timer due now runs: the clearest single sign that the server has more ready work
-    than one core can do (every node's heartbeat ack waits that long too)."""
-    loop = asyncio.get_running_loop()
-    while True:
-        t = loop.time()
-        await asyncio.sleep(LAG_PROBE)
-        metrics.LOOP_LAG_SECONDS.observe(max(0.0, loop.time() - t - LAG_PROBE))
 
 
 def install_signal_handlers(server: PodiumServer) -> None:

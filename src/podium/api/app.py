@@ -23,7 +23,8 @@ from podium.api.models import (
     AuditOut, BatchIn, ErrorOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
 )  # fmt: skip
-from podium.errors import Conflict, Forbidden, InvalidRequest, NotFound, StoreUnavailable, Unauthorized
+from podium.errors import Conflict, Forbidden, InvalidRequest, NotFound, Overloaded, StoreUnavailable, Unauthorized
+from podium.pressure import Pressure
 from podium.security.service import REGISTRY_PREFIX, Principal, Security, validate_registry_host
 from podium.security.tokens import Role
 from podium.scheduler.service import Scheduler
@@ -36,7 +37,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut} for code in (400, 401, 403, 404, 409, 413, 422, 503)
 }
 # A submission whose idempotency key was used before answers 200 with the task that key made.
-_SUBMIT = {**_ERRORS, 200: {"model": SubmitResponse, "description": "the task an earlier submission with this idempotency key made"}}
+_SUBMIT = {
+    **_ERRORS,
+    200: {"model": SubmitResponse, "description": "the task an earlier submission with this idempotency key made"},
+    429: {"model": ErrorOut, "description": "the server is overloaded and stored nothing; retry after Retry-After seconds"},
+}
+_SUBMIT_BATCH = {**_ERRORS, 429: _SUBMIT[429]}
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -90,7 +96,7 @@ Operator = Annotated[Principal, _needs(Role.OPERATOR)]
 Admin = Annotated[Principal, _needs(Role.ADMIN)]
 
 
-def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAPI:
+def create_app(store: Store, scheduler: Scheduler, security: Security, pressure: Pressure | None = None) -> FastAPI:
     app = FastAPI(
         title="Podium",
         version=__version__,
@@ -98,6 +104,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAP
     )
 
     app.state.security = security
+    admission = pressure or Pressure()
 
     async def audit(who: Principal, action: str, target: str | None, **detail: Any) -> None:
         await store.audit(who.actor, action, target, detail)
@@ -117,6 +124,10 @@ def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAP
     @app.exception_handler(StoreUnavailable)
     async def _su(_r: Request, exc: StoreUnavailable) -> JSONResponse:
         return JSONResponse({"error": f"{exc}; retry (with the same idempotency key for a submit)"}, status_code=503)
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(_r: Request, exc: Overloaded) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after)})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_r: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -145,11 +156,12 @@ def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAP
                 f"secrets: {', '.join(repr(m) for m in missing)} do{'es' if len(missing) == 1 else ''} not exist; "
                 "create them with `podium secret set NAME` first"
             )
+        admission.admit()
         row, created = await store.submit(body.task_spec(), idempotency_key=body.idempotency_key, actor=who.actor)
         resp = SubmitResponse(task=task_out(row), created=created)
         return JSONResponse(json.loads(resp.model_dump_json()), status_code=201 if created else 200)
 
-    @app.post("/v1/tasks/batch", response_model=list[SubmitResponse], responses=_ERRORS)
+    @app.post("/v1/tasks/batch", response_model=list[SubmitResponse], responses=_SUBMIT_BATCH)
     async def submit_batch(body: BatchIn, who: Operator) -> list[SubmitResponse]:
         """Submit up to 1,000 tasks in one transaction: all are stored, or none (a reused idempotency
         key with a different spec refuses the whole batch). Each answer is what a single submit gives."""
@@ -157,6 +169,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAP
         missing = await security.missing_secrets(names) if names else []
         if missing:
             raise InvalidRequest(f"secrets: {', '.join(repr(m) for m in missing)} do not exist; create them first")
+        admission.admit(len(body.tasks))
         rows = await store.submit_many([(t.task_spec(), t.idempotency_key) for t in body.tasks], actor=who.actor)
         return [SubmitResponse(task=task_out(r), created=c) for r, c in rows]
 
@@ -235,6 +248,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security) -> FastAP
     @app.post("/v1/specs/{name}/submit", response_model=SubmitResponse, status_code=201, responses=_SUBMIT)
     async def submit_spec(name: str, body: SubmitNamedIn, who: Operator) -> Any:
         """Submit the named spec. With `revision`, refused (409) unless that is still the current one."""
+        admission.admit()
         row, created = await store.submit_named(_name(name), body.revision, idempotency_key=body.idempotency_key, actor=who.actor)
         resp = SubmitResponse(task=task_out(row), created=created)
         return JSONResponse(json.loads(resp.model_dump_json()), status_code=201 if created else 200)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import platformdirs
 
 DEFAULT_ADDR = "http://127.0.0.1:8642"
 FOLLOW_RECONNECT_SECONDS = 120.0
+OVERLOAD_PATIENCE = 120.0  # seconds the CLI keeps re-sending a request an overloaded server refused
 
 
 class CliError(Exception):
@@ -56,8 +59,23 @@ class Client:
         self.http = httpx.Client(base_url=self.addr, timeout=timeout, headers=headers, verify=verify)
 
     def _request(self, method: str, path: str, **kw: Any) -> Any:
+        # An overloaded server refuses submissions with 429 and stores nothing: wait as it asks and
+        # send again, for up to OVERLOAD_PATIENCE seconds, telling the user once.
+        give_up = time.monotonic() + OVERLOAD_PATIENCE
+        told = False
+        while True:
+            r = self._send(method, path, **kw)
+            if r.status_code != 429 or time.monotonic() >= give_up:
+                break
+            if not told:
+                sys.stderr.write("the server is overloaded; waiting to submit again...\n")
+                told = True
+            time.sleep(min(10.0, max(0.1, _retry_after(r))))
+        return self._answer(r)
+
+    def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
-            r = self.http.request(method, path, **kw)
+            return self.http.request(method, path, **kw)
         except httpx.ConnectError:
             raise CliError(
                 f"cannot reach the Podium server at {self.addr}; is it running? "
@@ -69,6 +87,9 @@ class Client:
             raise CliError(f"talking to {self.addr} failed: {e}") from None
         except ssl.SSLError as e:
             raise CliError(f"TLS with {self.addr} failed: {e} (PODIUM_CA_FILE names the CA to trust)") from None
+
+    @staticmethod
+    def _answer(r: httpx.Response) -> Any:
         if r.status_code >= 400:
             try:
                 msg = r.json().get("error") or r.text
@@ -184,3 +205,10 @@ class Client:
 
     def drain(self, node: str, draining: bool) -> dict[str, Any]:
         return self._request("POST", f"/v1/nodes/{node}/{'drain' if draining else 'undrain'}")
+
+
+def _retry_after(r: httpx.Response) -> float:
+    try:
+        return float(r.headers.get("Retry-After", "1"))
+    except ValueError:
+        return 1.0

@@ -82,6 +82,8 @@ def server(
     client_ca: Annotated[Path | None, typer.Option(help="require agents to present a certificate signed by this CA (mutual TLS)")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="allow listening beyond loopback without TLS")] = False,
     retention: Annotated[str, typer.Option(help="how long finished tasks, their events and logs are kept")] = "7d",
+    max_lag: Annotated[str, typer.Option(
+        help="refuse submissions (429) while the server's event loop is this far behind; 0 never refuses")] = "250ms",
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a server. With PODIUM_DATABASE_URL it uses that PostgreSQL; without, an embedded one."""
@@ -105,6 +107,7 @@ def server(
         database_url=os.environ.get("PODIUM_DATABASE_URL") or None,
         host=host, port=port, grpc_host=grpc_host, grpc_port=grpc_port, placement_policy=placement,
         tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca, retention=_parse(parse_duration, retention, "--retention"),
+        max_lag=_parse(parse_duration, max_lag, "--max-lag"),
     )  # fmt: skip
 
     async def main() -> None:

@@ -85,11 +85,15 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         server_id: str,
         security: Security,
         beats_store: Store | None = None,
+        reports_store: Store | None = None,
     ) -> None:
         self.store = store
         # Heartbeats get connections of their own: however many node reports wait for the store,
-        # a heartbeat flush never queues behind them.
+        # a heartbeat flush never queues behind them. So do the group commits of reports and the
+        # outbox takes: a storm of reconnecting nodes (thousands of Hellos, each a few queries) must
+        # not hold up the reports of the nodes already working, or they miss their accept deadlines.
         self.beats_store = beats_store or store
+        self.reports_store = reports_store or store
         self.security = security
         self._revoked_conn = None
         self.scheduler = scheduler
@@ -105,6 +109,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         # sessions with reports waiting, in the order they are served (round robin)
         self._event_sessions: dict[Session, None] = {}
         self._events_ready = asyncio.Event()
+        self.report_backlog = 0  # node reports received and not yet applied (admission reads it)
         self._outbox_due: set[str] = set()  # nodes to take the outbox of at the next take
         self._outbox_wake = asyncio.Event()
         # A node stops its attempts itself this long after its last acknowledged heartbeat: two
@@ -157,15 +162,19 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             await self.flush_logs()
 
     async def flush_logs(self) -> None:
+        """Store the log chunks of every node received since the last flush, in one statement."""
         pending, self._logs = self._logs, {}
+        if not pending:
+            return
+        try:
+            await self.reports_store.insert_logs([(*c, node_id) for node_id, chunks in pending.items() for c in chunks])
+        except StoreUnavailable as e:
+            log.warning("logs from %d nodes not stored yet: %s", len(pending), e)
+            for node_id, chunks in pending.items():
+                self._logs[node_id] = chunks + self._logs.get(node_id, [])
+            return
+        # stored: the nodes may forget them (until now each keeps them, to send again if we die)
         for node_id, chunks in pending.items():
-            try:
-                await self.store.insert_logs(node_id, chunks)
-            except StoreUnavailable as e:
-                log.warning("logs from %s not stored yet: %s", node_id, e)
-                self._logs.setdefault(node_id, []).extend(chunks)
-                continue
-            # stored: the node may forget them (until now it keeps them, to send again if we die)
             s = self.sessions.get(node_id)
             if s is None:
                 continue
@@ -229,7 +238,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 continue
             try:
                 with metrics.OUTBOX_TAKE_SECONDS.time():
-                    rows = await self.store.take_outbox(live)
+                    rows = await self.reports_store.take_outbox(live)
             except StoreUnavailable as e:
                 log.warning("outbox for %d nodes: %s", len(live), e)
                 self._outbox_due.update(live)
@@ -381,7 +390,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             s.close()
             # what it reported and we did not apply yet goes with the stream: a reconnecting node
             # reports its attempts again, and re-sends every end not acknowledged
-            metrics.NODE_REPORT_BACKLOG.dec(len(s.events))
+            self._backlog_add(-len(s.events))
             s.events.clear()
             self._event_sessions.pop(s, None)
 
@@ -449,6 +458,10 @@ class Gateway(pb_grpc.AgentGatewayServicer):
 
     # ---- node reports, group-committed ---------------------------------------------------------
 
+    def _backlog_add(self, n: int) -> None:
+        self.report_backlog += n
+        metrics.NODE_REPORT_BACKLOG.inc(n)
+
     async def _enqueue_event(self, s: Session, ev: pb.TaskEvent) -> None:
         """Queue a report for the next group commit, and go on reading the stream (its heartbeats
         must not wait behind its reports). A node that reports faster than the store takes it is
@@ -462,7 +475,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             s.room.clear()
             await s.room.wait()
         s.events.append(Pending(ev, task_id, _KIND.get(ev.kind, "")))
-        metrics.NODE_REPORT_BACKLOG.inc()
+        self._backlog_add(1)
         self._event_sessions.setdefault(s, None)
         self._events_ready.set()
 
@@ -510,7 +523,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 if not s.events or s.events[0].task_id in tasks:
                     continue
                 p = s.events.popleft()
-                metrics.NODE_REPORT_BACKLOG.dec()
+                self._backlog_add(-1)
                 tasks.add(p.task_id)
                 batch.append((s, p))
                 again.append(s)
@@ -533,7 +546,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         for s, p in reversed(items):
             if self.sessions.get(s.node_id) is s:
                 s.events.appendleft(p)
-                metrics.NODE_REPORT_BACKLOG.inc()
+                self._backlog_add(1)
                 self._event_sessions.setdefault(s, None)
         if items:
             self._events_ready.set()
@@ -543,7 +556,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             # an attempt's output arrived before its end on the same stream: store it before the end
             # becomes visible, so whoever follows the logs of an ended task has all of them
             await self.flush_logs()
-        rows = await self.store.task_facts_many([p.task_id for _s, p in batch])
+        rows = await self.reports_store.task_facts_many([p.task_id for _s, p in batch])
         changes: list[Change] = []
         planned: list[tuple[Session, Pending]] = []
         for s, p in batch:
@@ -573,7 +586,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 attempt_state=step.attempt_state, stop=step.stop,
             ))  # fmt: skip
             planned.append((s, p))
-        results = await self.store.transition_many(changes) if changes else []
+        results = await self.reports_store.transition_many(changes) if changes else []
         self.event_batches += 1
         metrics.NODE_REPORT_BATCH.observe(len(batch))
         again: list[tuple[Session, Pending]] = []

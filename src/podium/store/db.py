@@ -368,12 +368,13 @@ class Store:
         async with self._conn() as conn:
             return await conn.fetch(self.q["read_logs"], task_id, after, limit)
 
-    async def insert_logs(self, node_id: str, chunks: Sequence[tuple[uuid.UUID, int, str, int, bytes]]) -> None:
+    async def insert_logs(self, chunks: Sequence[tuple[uuid.UUID, int, str, int, bytes, str]]) -> None:
+        """(task, fencing token, stream, seq, data, node) chunks, from any nodes, in one statement."""
         if not chunks:
             return
         cols = list(zip(*chunks, strict=True))
         async with self._conn() as conn:
-            await conn.execute(self.q["insert_logs"], *[list(c) for c in cols], node_id)
+            await conn.execute(self.q["insert_logs"], *[list(c) for c in cols])
 
     # ---- placement ------------------------------------------------------------------------------
 

@@ -284,11 +284,13 @@ ORDER BY created_at DESC, id DESC
 LIMIT $4
 
 -- insert_logs --
--- Log chunks from a node, kept only for attempts that node was given.
+-- Log chunks from any number of nodes in one statement, each kept only if its node was given that
+-- attempt.
 INSERT INTO log_chunks (task_id, fencing_token, stream, seq, data)
 SELECT d.task_id, d.token, d.stream, d.seq, d.data
-FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::bigint[], $5::bytea[]) AS d(task_id, token, stream, seq, data)
-JOIN attempts a ON a.task_id = d.task_id AND a.fencing_token = d.token AND a.node_id = $6
+FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::bigint[], $5::bytea[], $6::text[])
+     AS d(task_id, token, stream, seq, data, node_id)
+JOIN attempts a ON a.task_id = d.task_id AND a.fencing_token = d.token AND a.node_id = d.node_id
 ON CONFLICT DO NOTHING
 
 -- read_logs --
