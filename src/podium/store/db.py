@@ -223,6 +223,13 @@ class Store:
             [s.requeue_on_node_loss for s, _ in items], keys,
         ]  # fmt: skip
         named = ([spec_name] * len(items), [spec_revision] * len(items))
+        if all(k is None for k in keys):
+            # Without idempotency keys nothing can conflict, and the one statement is atomic by
+            # itself: no BEGIN and COMMIT round trips around it.
+            async with self._conn() as conn:
+                rows = await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named)
+            by_id = {r["id"]: r for r in rows}
+            return [(by_id[i], True) for i in ids]
         async with self._conn() as conn, conn.transaction():
             rows = {r["id"]: r for r in await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named)}
             missing = [k for i, k in zip(ids, keys, strict=True) if i not in rows]
