@@ -759,6 +759,7 @@ async def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
         cfg["pgbench"] = args.pgbench
     if args.no_baseline:
         cfg.pop("baseline_seconds", None)
+    cfg["batch"] = args.batch  # tasks per POST (1: POST /v1/tasks; more: POST /v1/tasks/batch)
 
     b = Bench(args, cfg)
     t_run = time.monotonic()

@@ -7,6 +7,10 @@ durable and placement bounded — but each accepted request takes event-loop tim
 node reports then wait for. So the server watches two signs that it is behind: how late its event loop
 runs a timer due now (smoothed), and how many node reports wait for a group commit. Past either limit,
 submissions are shed until it catches up. Reads, cancels and node traffic are never shed.
+
+Lag alone is not enough: on a machine shared with other busy processes the loop runs late because it
+is not given a core, and refusing work then helps nobody. So lag counts only while the server itself
+is busy (its CPU time over the same interval is most of a core): behind *because of its own work*.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from podium.errors import Overloaded
 
 DEFAULT_MAX_LAG = 0.25  # seconds of smoothed event-loop lag past which submissions are refused
 DEFAULT_MAX_BACKLOG = 20_000  # node reports waiting past which submissions are refused
-SMOOTHING = 0.3  # weight of the newest lag probe in the moving average
+MIN_BUSY = 0.7  # share of a core the server must be using for its lag to count as its own overload
+SMOOTHING = 0.3  # weight of the newest probe in the moving averages
 RETRY_AFTER = 1  # seconds a refused client is told to wait
 
 
@@ -29,17 +34,24 @@ class Pressure:
     max_backlog: int = DEFAULT_MAX_BACKLOG
     backlog: Callable[[], int] = field(default=lambda: 0)  # node reports waiting, read when asked
     lag: float = 0.0  # smoothed event-loop lag, seconds
+    busy: float = 0.0  # smoothed share of a core the server process used
     shed: int = 0  # submissions refused so far
 
-    def observe_lag(self, seconds: float) -> None:
-        if not math.isfinite(seconds) or seconds < 0:
+    def observe(self, lag: float, busy: float) -> None:
+        """One probe: how late the loop ran a timer (seconds) and the share of a core the process
+        used since the last probe."""
+        if not (math.isfinite(lag) and math.isfinite(busy)) or lag < 0 or busy < 0:
             return
-        self.lag = SMOOTHING * seconds + (1 - SMOOTHING) * self.lag
+        self.lag = SMOOTHING * lag + (1 - SMOOTHING) * self.lag
+        self.busy = SMOOTHING * busy + (1 - SMOOTHING) * self.busy
 
     def why_overloaded(self) -> str | None:
         """None when submissions may be accepted; else the reason, for the client."""
-        if self.lag > self.max_lag:
-            return f"its event loop is {self.lag * 1000:.0f} ms behind (limit {self.max_lag * 1000:.0f} ms)"
+        if self.lag > self.max_lag and self.busy >= MIN_BUSY:
+            return (
+                f"its event loop is {self.lag * 1000:.0f} ms behind (limit {self.max_lag * 1000:.0f} ms) "
+                f"while using {self.busy:.0%} of a core"
+            )
         waiting = self.backlog()
         if waiting > self.max_backlog:
             return f"{waiting:,} node reports are waiting to be recorded (limit {self.max_backlog:,})"

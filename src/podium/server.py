@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -89,11 +90,12 @@ class PodiumServer:
         than one core can do (every node's heartbeat ack waits that long too). It feeds admission."""
         loop = asyncio.get_running_loop()
         while True:
-            t = loop.time()
+            t, cpu = loop.time(), time.process_time()
             await asyncio.sleep(LAG_PROBE)
-            lag = max(0.0, loop.time() - t - LAG_PROBE)
+            elapsed = loop.time() - t
+            lag = max(0.0, elapsed - LAG_PROBE)
             metrics.LOOP_LAG_SECONDS.observe(lag)
-            self.pressure.observe_lag(lag)
+            self.pressure.observe(lag, (time.process_time() - cpu) / max(elapsed, 1e-3))
 
     async def run(self) -> None:
         try:

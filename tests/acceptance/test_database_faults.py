@@ -60,7 +60,7 @@ def test_killed_database_connections_lose_no_acknowledged_submission(cluster: Cl
                     if r.status_code in (200, 201):
                         acknowledged[key] = r.json()["task"]["id"]
                         break
-                    assert r.status_code == 503, r.text  # never a 500
+                    assert r.status_code in (429, 503), r.text  # never a 500 (429: shedding, nothing stored)
                     refused += 1
                     time.sleep(0.05)
                 i += 1

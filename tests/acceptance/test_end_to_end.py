@@ -121,3 +121,36 @@ def test_batch_submit_is_one_transaction_and_idempotent(cluster: Cluster) -> Non
     bad = api.http.post("/v1/tasks/batch", json={"tasks": [{"command": ["true"]}, {"command": []}]})
     assert bad.status_code == 422 and "tasks.1" in bad.json()["error"]
     assert len(api.http.get("/v1/tasks", params={"limit": 1000}).json()) == 20
+
+
+def test_the_server_reports_its_work_in_prometheus_metrics(cluster: Cluster) -> None:
+    """/metrics counts what the server did: each placement, and each node report it applied (a
+    task's provisioning, running and exit), and shows nothing left waiting."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cluster.server()
+    cluster.agent("a1", slots=8)
+    api = cluster.api
+    first = api.http.post("/v1/tasks/batch", json={"tasks": [{"command": ["true"]}] * 12})
+    assert first.status_code == 200, first.text
+    for x in first.json():
+        api.wait_state(x["task"]["id"], "succeeded", 60)
+
+    def scrape() -> dict[str, float]:
+        r = api.http.get("/metrics")
+        assert r.status_code == 200, r.text
+        return {
+            s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples
+        }  # fmt: skip
+
+    # the Ack of an end goes out right after its commit; the counter follows within the same batch
+    wait_for(lambda: scrape().get("podium_node_reports_total{outcome=applied}") == 36, 30, what="36 applied reports")
+    m = scrape()
+    assert m["podium_placements_total"] == 12
+    assert m["podium_node_report_batch_size_sum"] == 36  # every applied report went through a group commit
+    assert 1 <= m["podium_node_report_batch_size_count"] <= 36
+    assert m["podium_node_report_backlog"] == 0
+    assert m["podium_connected_nodes"] == 1
+    assert m.get("podium_node_reports_total{outcome=rejected}", 0) == 0
+    assert m["podium_event_loop_lag_seconds_count"] >= 1

@@ -65,7 +65,7 @@ SUBMISSIONS: list[tuple[str, Any]] = [
 async def test_an_overloaded_server_refuses_submissions_stores_nothing_and_recovers(setup: Any) -> None:
     client, store, pressure, backlog = setup
     for _ in range(20):
-        pressure.observe_lag(2.0)  # the event loop is two seconds behind
+        pressure.observe(2.0, 1.0)  # the event loop is two seconds behind, with the server on a full core
     assert pressure.lag > DEFAULT_MAX_LAG
     for path, body in SUBMISSIONS:
         r = await client.post(path, json=body)
@@ -79,7 +79,7 @@ async def test_an_overloaded_server_refuses_submissions_stores_nothing_and_recov
     assert (await client.post("/v1/tasks", json={"command": []})).status_code == 422
 
     for _ in range(40):
-        pressure.observe_lag(0.0)  # caught up
+        pressure.observe(0.0, 1.0)  # caught up
     assert pressure.lag < DEFAULT_MAX_LAG
     for path, body in SUBMISSIONS:
         r = await client.post(path, json=body)
@@ -94,14 +94,27 @@ async def test_an_overloaded_server_refuses_submissions_stores_nothing_and_recov
 
 def test_pressure_smooths_its_lag_and_names_the_limit() -> None:
     p = Pressure(max_lag=0.1, max_backlog=10)
-    p.observe_lag(0.2)  # one slow probe is not yet an overload
+    p.observe(0.2, 1.0)  # one slow probe is not yet an overload
     assert p.why_overloaded() is None and p.lag == pytest.approx(0.06)
     for _ in range(10):
-        p.observe_lag(1.0)
-    assert "ms behind (limit 100 ms)" in (p.why_overloaded() or "")
+        p.observe(1.0, 1.0)
+    assert "ms behind (limit 100 ms) while using" in (p.why_overloaded() or "")
     with pytest.raises(Overloaded) as e:
         p.admit(4)
     assert e.value.retry_after == 1 and p.shed == 4
-    p.observe_lag(float("nan"))  # a nonsense probe changes nothing
-    p.observe_lag(-1.0)
+    p.observe(float("nan"), 1.0)  # a nonsense probe changes nothing
+    p.observe(-1.0, 1.0)
     assert p.lag > 0.1
+
+
+def test_a_late_loop_on_a_starved_machine_is_not_an_overload() -> None:
+    """Lag while the server gets little CPU means other processes have the cores: refusing work
+    would not help, so nothing is refused."""
+    p = Pressure(max_lag=0.1)
+    for _ in range(20):
+        p.observe(1.0, 0.1)
+    assert p.lag > 0.9 and p.why_overloaded() is None
+    p.admit()  # accepted
+    for _ in range(20):
+        p.observe(1.0, 0.95)
+    assert p.why_overloaded() is not None

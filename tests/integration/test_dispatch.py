@@ -111,3 +111,45 @@ async def test_the_dispatcher_stops_at_its_window_of_unaccepted_assignments(stor
     async with store.pool.acquire() as c:
         assert await c.fetchval("SELECT count(*) FROM tasks WHERE state = 'queued'") == 1
     assert {a[0] for a in first.assigned + third.assigned} <= set(ids)
+
+
+async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_changed(store: Store) -> None:
+    """One scheduler across ticks: after the first read it reads only node rows changed since (by
+    its own reservations, by freed capacity, by an operator, by a node joining) and places on what
+    is true now. A heartbeat that changes nothing placement reads is not a change."""
+    from podium.states import AttemptState, TaskState
+
+    sched = scheduler(store)
+    seen: list[set[str]] = []
+    decide = sched.decide
+
+    def counting(tasks, changed, horizon):  # type: ignore[no-untyped-def]
+        seen.append({r["id"] for r in changed})
+        return decide(tasks, changed, horizon)
+
+    sched.decide = counting  # type: ignore[method-assign]
+    await add_node(store, "n1", slots=1)
+    await add_node(store, "n2", slots=1)
+    t1, t2, t3 = [await submit(store) for _ in range(3)]
+    first = await sched.dispatch_once()
+    assert len(first.assigned) == 2 and seen[-1] == {"n1", "n2"}  # the first read is every node
+    assert set(first.unplaced.values()) == {reasons.FULL}
+    # nothing changed: the next tick reads its own reservations only (made after its last read)
+    await store.heartbeats([("n1", 1), ("n2", 1)], "test")
+    again = await sched.dispatch_once()
+    assert again.assigned == [] and seen[-1] == {"n1", "n2"}
+    again = await sched.dispatch_once()
+    assert again.assigned == [] and seen[-1] == set()  # heartbeats changed nothing placement reads
+    # capacity freed on n1 is seen at the next tick
+    tid, node, tok = next(a for a in first.assigned if a[1] == "n1")
+    assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.SUCCEEDED, actor="node", fencing_token=tok,
+                                       node_id=node, exit_code=0, end_attempt=AttemptState.EXITED)  # fmt: skip
+    third = await sched.dispatch_once()
+    assert [a[1] for a in third.assigned] == ["n1"] and seen[-1] == {"n1"}
+    # an operator's drain and a new node are seen too
+    await store.set_draining("n1", True)
+    await add_node(store, "n3", slots=1)
+    t4 = await submit(store)
+    fourth = await sched.dispatch_once()
+    assert [a[1] for a in fourth.assigned] == ["n3"] and seen[-1] >= {"n1", "n3"}
+    assert {t1, t2, t3, t4} >= {a[0] for a in first.assigned + third.assigned + fourth.assigned}

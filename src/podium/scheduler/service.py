@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 SWEEP_LIMIT = 1000  # rows one watchdog query looks at; the next sweep takes the rest
 WINDOW_POLL = 0.02  # seconds between looks at a full assignment window
+FULL_NODE_READ_EVERY = 60.0  # seconds between reads of every node row (in between: changed rows only)
 PRUNE_EVERY = 60.0  # seconds between deletions of tasks older than the retention
 PRUNE_BATCH = 5000  # tasks deleted at most per pass, so one pass never holds locks for long
 DEFAULT_RETENTION = 7 * 86400.0  # seconds a finished task, its events and its logs are kept
@@ -108,6 +109,11 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._listen_conn: asyncpg.Connection | None = None
         self.placed_total = 0
+        # What placement knows of the connected nodes between ticks, and the snapshot horizon of the
+        # read that brought it up to date (None: read them all next time).
+        self._snaps: dict[str, NodeSnapshot] = {}
+        self._horizon: int | None = None
+        self._nodes_read_all_at = float("-inf")
 
     # ---- running ----------------------------------------------------------------------------------
 
@@ -165,19 +171,37 @@ class Scheduler:
         return outcome
 
     async def _dispatch(self, limit: int) -> DispatchOutcome:
+        now = asyncio.get_running_loop().time()
+        if now - self._nodes_read_all_at > FULL_NODE_READ_EVERY:
+            self._horizon = None  # read every node again now and then: cheap insurance
         return await self.store.dispatch(
             claim_limit=limit,
             accept_seconds=self.timing.provisioning_deadline,
             lease_seconds=self.timing.lease_ttl,
             decide=self.decide,
             actor=self.actor,
+            nodes_since=self._horizon,
         )
 
+    def _remember_nodes(self, changed: list[asyncpg.Record], horizon: int) -> None:
+        """Fold the node rows changed since the last read into the snapshots kept between ticks."""
+        if self._horizon is None:
+            self._snaps = {}
+            self._nodes_read_all_at = asyncio.get_running_loop().time()
+        for row in changed:
+            if row["connected"] and row["revoked_at"] is None:
+                self._snaps[row["id"]] = node_snapshot(row)
+            else:
+                self._snaps.pop(row["id"], None)
+        self._horizon = horizon
+
     def decide(
-        self, tasks: list[asyncpg.Record], nodes: list[asyncpg.Record]
+        self, tasks: list[asyncpg.Record], changed: list[asyncpg.Record], horizon: int
     ) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
-        """Pure once the rows are read: the Placer sees every node and reserves as it goes."""
-        placer = Placer([node_snapshot(n) for n in nodes], policy=self.policy_name)
+        """Pure once the rows are read: the Placer sees every connected node (kept between ticks,
+        with the rows changed since the last read folded in) and reserves as it goes."""
+        self._remember_nodes(changed, horizon)
+        placer = Placer([self._snaps[k] for k in sorted(self._snaps)], policy=self.policy_name)
         placed: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}
         for t in tasks:

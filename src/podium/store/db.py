@@ -112,8 +112,11 @@ class DispatchOutcome:
     window_full: bool = False  # nothing claimed: too many assignments wait for their nodes already
 
 
-# (claimed task rows, node rows) → (placements, {task: queued reason})
-Decider = Callable[[list[asyncpg.Record], list[asyncpg.Record]], tuple[list[PlacementDecision], dict[uuid.UUID, str]]]
+# (claimed task rows, node rows changed since the caller's horizon, the new horizon)
+#   → (placements, {task: queued reason})
+Decider = Callable[
+    [list[asyncpg.Record], list[asyncpg.Record], int], tuple[list[PlacementDecision], dict[uuid.UUID, str]]
+]
 
 
 async def _light_reset(_conn: asyncpg.Connection) -> None:
@@ -386,13 +389,24 @@ class Store:
     # ---- placement ------------------------------------------------------------------------------
 
     async def dispatch(
-        self, *, claim_limit: int, accept_seconds: float, lease_seconds: float, decide: Decider, actor: str
+        self,
+        *,
+        claim_limit: int,
+        accept_seconds: float,
+        lease_seconds: float,
+        decide: Decider,
+        actor: str,
+        nodes_since: int | None = None,
     ) -> DispatchOutcome:
         """Claim up to `claim_limit` queued tasks, let `decide` place them, and make the result durable
-        in one transaction: reservations, attempts, fencing tokens, leases, events, reasons, notifies."""
+        in one transaction: reservations, attempts, fencing tokens, leases, events, reasons, notifies.
+
+        `decide` is given the node rows changed by transactions at or after `nodes_since` (every row
+        placement may read, connected or not; all of them when it is None) and the horizon to pass
+        as `nodes_since` next time."""
         out = DispatchOutcome()
         try:
-            return await self._dispatch(out, claim_limit, accept_seconds, lease_seconds, decide, actor)
+            return await self._dispatch(out, claim_limit, accept_seconds, lease_seconds, decide, actor, nodes_since)
         except asyncpg.UniqueViolationError:
             # another scheduler handed out one of the same GPU indexes first: nothing of this batch
             # was written; the next tick places it again on fresh state
@@ -400,15 +414,24 @@ class Store:
             return DispatchOutcome(claimed=out.claimed, lost_races=out.claimed)
 
     async def _dispatch(
-        self, out: DispatchOutcome, claim_limit: int, accept_seconds: float, lease_seconds: float, decide: Decider, actor: str
+        self,
+        out: DispatchOutcome,
+        claim_limit: int,
+        accept_seconds: float,
+        lease_seconds: float,
+        decide: Decider,
+        actor: str,
+        nodes_since: int | None,
     ) -> DispatchOutcome:
         async with self._conn() as conn, conn.transaction():
             tasks = await conn.fetch(self.q["claim_queued"], claim_limit)
             out.claimed = len(tasks)
             if not tasks:
                 return out
-            nodes = await conn.fetch(self.q["placement_nodes"])
-            placements, unplaced = decide(tasks, nodes)
+            # the horizon first: whatever commits after it is read again next time
+            horizon = await conn.fetchval(self.q["snapshot_horizon"])
+            nodes = await conn.fetch(self.q["placement_nodes_changed"], nodes_since)
+            placements, unplaced = decide(tasks, nodes, horizon)
             out.unplaced = unplaced
             if placements:
                 per_node: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
