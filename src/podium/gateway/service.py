@@ -252,7 +252,18 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 if s is None:
                     continue  # gone since: its next Hello has what it was not sent redelivered
                 if r["kind"] == "assign":
-                    await self._send_assign(s, r)
+                    # marked delivered but not sent if this fails: closing the stream makes the
+                    # node's next Hello redeliver it
+                    try:
+                        await self._send_assign(s, r)
+                    except asyncio.CancelledError:
+                        raise
+                    except StoreUnavailable as e:
+                        log.warning("task %s not sent to node %s (%s); closing its stream", r["task_id"], s.node_id, e)
+                        s.close()
+                    except Exception:
+                        log.exception("sending task %s to node %s failed; closing its stream", r["task_id"], s.node_id)
+                        s.close()
                 else:
                     s.send(pb.ServerMessage(cancel=pb.Cancel(
                         task_id=str(r["task_id"]), fencing_token=r["fencing_token"], reason=r["reason"] or "",
@@ -505,6 +516,16 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                         down_since = None
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    # A bug, or a write the database refused for good: it must not take the other
+                    # nodes' reports (or the server) with it. The streams that sent this batch are
+                    # closed; on reconnect their nodes report their attempts again, as after any loss.
+                    log.exception("applying %d node reports failed; closing the streams that sent them", len(batch))
+                    for sess in {s for s, _p in batch}:
+                        sess.close()
                     continue
                 delay, down_since = 0.05, None
 
