@@ -153,3 +153,20 @@ async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_ch
     fourth = await sched.dispatch_once()
     assert [a[1] for a in fourth.assigned] == ["n3"] and seen[-1] >= {"n1", "n3"}
     assert {t1, t2, t3, t4} >= {a[0] for a in first.assigned + third.assigned + fourth.assigned}
+
+
+async def test_the_watchdog_gives_a_removed_nodes_tasks_the_removal_as_reason(store: Store) -> None:
+    """Removing a node marks it offline and then applies the node-loss policy to its tasks. If the
+    watchdog's sweep gets there first, it must say the same true thing: removed, not "went offline"."""
+    await add_node(store, "n1", slots=2)
+    keep = await submit(store, requeue_on_node_loss=False)
+    again = await submit(store)
+    out = await place(store)
+    assert {a[0] for a in out.assigned} == {keep, again}
+    await store.revoke_node("n1")
+    await scheduler(store).sweep()  # before the removal's own pass (Scheduler.node_removed)
+    t_keep, t_again = await store.get_task(keep), await store.get_task(again)
+    assert (t_keep["state"], t_keep["reason"]) == ("lost", reasons.NODE_REVOKED)
+    assert (t_again["state"], t_again["reason"]) == ("queued", reasons.NODE_REVOKED)
+    await scheduler(store).node_removed("n1")  # then the removal's pass finds nothing left to do
+    assert (await store.get_task(keep))["state"] == "lost"

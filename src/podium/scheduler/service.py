@@ -278,7 +278,7 @@ class Scheduler:
             log.warning("node %s is offline: no heartbeat for %.1fs; its leases expire", node, t.offline_after)
 
         for row in await self.store.lost_tasks(SWEEP_LIMIT):
-            why = {"offline": reasons.NODE_LOST, "lease": reasons.LEASE_EXPIRED}.get(row["why"])
+            why = {"offline": reasons.NODE_LOST, "revoked": reasons.NODE_REVOKED, "lease": reasons.LEASE_EXPIRED}.get(row["why"])
             f = facts(row)
             if why is None:  # on no node and holding no lease: an invariant broken somewhere
                 step: Step | None = Step(TaskState.FAILED, reasons.NO_LEASE, end_attempt=policy.A.LOST, stop=True)

@@ -321,6 +321,9 @@ LIMIT $2
 -- of any kind.
 SELECT t.id, t.state, t.fencing_token, t.attempts, t.max_attempts, t.requeue_on_node_loss,
        CASE WHEN t.node_id IS NULL OR t.fencing_token IS NULL THEN 'no_lease'
+            -- a removed node is offline too; the sweep may get to its tasks before the removal's
+            -- own pass does, and must give the same, true reason
+            WHEN n.revoked_at IS NOT NULL THEN 'revoked'
             WHEN n.health = 'offline' THEN 'offline'
             ELSE 'lease' END AS why
 FROM tasks t LEFT JOIN nodes n ON n.id = t.node_id
