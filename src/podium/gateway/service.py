@@ -104,8 +104,6 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self._logs: dict[str, list[tuple[uuid.UUID, int, str, int, bytes]]] = {}
         self._listen_conn = None
         self.events_rejected = 0
-        self.events_applied = 0
-        self.event_batches = 0
         # sessions with reports waiting, in the order they are served (round robin)
         self._event_sessions: dict[Session, None] = {}
         self._events_ready = asyncio.Event()
@@ -608,12 +606,10 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             ))  # fmt: skip
             planned.append((s, p))
         results = await self.reports_store.transition_many(changes) if changes else []
-        self.event_batches += 1
         metrics.NODE_REPORT_BATCH.observe(len(batch))
         again: list[tuple[Session, Pending]] = []
         for (s, p), done in zip(planned, results, strict=True):
             if done is not None:
-                self.events_applied += 1
                 metrics.NODE_REPORTS.labels("applied").inc()
                 self._answer(s, p, applied=True)
                 continue
