@@ -1,0 +1,113 @@
+"""Tag → digest resolution against a real registry (Debian's docker-registry with htpasswd)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from podium import reasons
+from podium.images import parse_image
+from podium.registry import ImageNotFound, RegistryCredentialsRefused, RegistryUnreachable, resolve
+from tests.harness import free_port
+from tests.registry import MANIFEST_V2, RegistryServer, note_image, registry, registry_factory  # noqa: F401
+
+
+async def test_resolve_with_credentials_gives_the_pushed_digest(registry: RegistryServer) -> None:
+    repo = registry.unique_repo()
+    pushed = registry.push(repo, "1.4", note_image("one"))
+    ref = parse_image(f"{registry.host}/{repo}:1.4")
+    assert await resolve(ref, registry.credentials, timeout=30) == pushed
+    # "localhost" is loopback by name: plain http too, same answer
+    assert await resolve(parse_image(f"localhost:{registry.port}/{repo}:1.4"), registry.credentials, timeout=30) == pushed
+
+
+async def test_a_moved_tag_resolves_to_the_new_digest_and_the_old_pin_still_names_the_old_image(
+    registry: RegistryServer,
+) -> None:
+    repo = registry.unique_repo()
+    old = registry.push(repo, "stable", note_image("before"))
+    ref = parse_image(f"{registry.host}/{repo}:stable")
+    assert await resolve(ref, registry.credentials, timeout=30) == old
+    new = registry.push(repo, "stable", note_image("after"))
+    assert new != old
+    assert await resolve(ref, registry.credentials, timeout=30) == new
+    # what a retry of an attempt placed before the retag runs: the pin, still the old manifest
+    pinned = parse_image(ref.pinned(old))
+    assert await resolve(pinned, None, timeout=30) == old
+    r = httpx.get(
+        f"http://{registry.host}/v2/{repo}/manifests/{old}",
+        auth=registry.credentials,
+        headers={"Accept": MANIFEST_V2},
+    )
+    assert r.status_code == 200 and r.content == note_image("before").manifest
+
+
+async def test_no_credentials_are_refused_in_the_registrys_words(registry: RegistryServer) -> None:
+    repo = registry.unique_repo()
+    registry.push(repo, "1", note_image("private"))
+    with pytest.raises(RegistryCredentialsRefused) as e:
+        await resolve(parse_image(f"{registry.host}/{repo}:1"), None, timeout=30)
+    assert e.value.words == "authentication required"
+    assert e.value.reason == reasons.REGISTRY_REFUSED and not e.value.transient
+    assert e.value.registry == registry.host
+
+
+async def test_a_wrong_password_is_refused(registry: RegistryServer) -> None:
+    repo = registry.unique_repo()
+    registry.push(repo, "1", note_image("private"))
+    with pytest.raises(RegistryCredentialsRefused) as e:
+        await resolve(parse_image(f"{registry.host}/{repo}:1"), (registry.user, "not-" + registry.password), timeout=30)
+    assert e.value.words == "authentication required"
+    assert registry.password not in str(e.value)
+
+
+async def test_an_unknown_repository_or_tag_is_not_found(registry: RegistryServer) -> None:
+    repo = registry.unique_repo()
+    registry.push(repo, "1", note_image("exists"))
+    for missing in (f"{repo}:2", f"{registry.unique_repo()}:1"):
+        with pytest.raises(ImageNotFound) as e:
+            await resolve(parse_image(f"{registry.host}/{missing}"), registry.credentials, timeout=30)
+        assert e.value.reason == reasons.IMAGE_NOT_FOUND and not e.value.transient
+        assert e.value.words == "manifest unknown"  # the registry's own words, as it sent them
+
+
+async def test_a_registry_that_stopped_is_unreachable_and_transient(
+    registry_factory: Callable[..., RegistryServer],
+) -> None:
+    spare = registry_factory()
+    repo = spare.unique_repo()
+    pushed = spare.push(repo, "1", note_image("soon gone"))
+    ref = parse_image(f"{spare.host}/{repo}:1")
+    assert await resolve(ref, spare.credentials, timeout=30) == pushed
+    spare.stop()
+    with pytest.raises(RegistryUnreachable) as e:
+        await resolve(ref, spare.credentials, timeout=30)
+    assert e.value.reason == reasons.REGISTRY_UNREACHABLE and e.value.transient
+    assert spare.host in e.value.words
+
+
+async def test_a_registry_that_never_answers_is_unreachable_within_the_timeout() -> None:
+    # A socket that listens but never accepts: the kernel completes the connection, nobody replies.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        host = f"127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(RegistryUnreachable) as e:
+            await resolve(parse_image(f"{host}/team/app:1"), None, timeout=0.5)
+    assert "0.5s" in e.value.words or "timed out" in e.value.words.lower()
+
+
+async def test_a_registry_without_auth_needs_no_credentials(registry_factory: Callable[..., RegistryServer]) -> None:
+    open_registry = registry_factory(auth=False)
+    repo = open_registry.unique_repo()
+    pushed = open_registry.push(repo, "latest", note_image("public"))
+    assert await resolve(parse_image(f"{open_registry.host}/{repo}"), None, timeout=30) == pushed
+
+
+async def test_a_reference_with_a_digest_is_not_asked_about() -> None:
+    digest = "sha256:" + "ab" * 32
+    nobody = f"127.0.0.1:{free_port()}"  # nothing listens here: asking would raise RegistryUnreachable
+    assert await resolve(parse_image(f"{nobody}/team/app:1.4@{digest}"), None, timeout=5) == digest
