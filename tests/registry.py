@@ -15,6 +15,8 @@ This module must never leave a registry process running after the session.
 
 from __future__ import annotations
 
+import base64
+import datetime
 import gzip
 import hashlib
 import io
@@ -27,13 +29,21 @@ import struct
 import subprocess
 import tarfile
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import NoReturn
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.x509.oid import NameOID
 
 from tests.harness import free_port, wait_for
 
@@ -179,16 +189,117 @@ def _is_static_elf(data: bytes) -> bool:
 # --- the registry -------------------------------------------------------------------------------------
 
 
+class TokenService:
+    """A Docker token service (the Bearer flow Docker Hub, GHCR and Harbor use) for a `docker-registry`
+    configured with `auth.token`: the registry sends clients here with `WWW-Authenticate: Bearer
+    realm=…,service=…,scope=…`, and accepts only JWTs signed with this service's key.
+
+    With the right Basic credentials a token grants the scopes asked for; without any it is an
+    anonymous token that grants nothing (the registry then refuses, as Docker Hub does for a private
+    image); with wrong ones the answer is 401 in the registry's error format."""
+
+    SERVICE = "podium-test-registry"
+    ISSUER = "podium-test-token-service"
+
+    def __init__(self, home: Path, user: str, password: str) -> None:
+        self.home, self.user, self.password = home, user, password
+        self.port = free_port()
+        self._server: ThreadingHTTPServer | None = None
+        self._key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        now = datetime.datetime.now(datetime.UTC)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, self.ISSUER)])
+        self._cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(self._key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self._key, hashes.SHA256())
+        )
+
+    @property
+    def realm(self) -> str:
+        return f"http://127.0.0.1:{self.port}/token"
+
+    def registry_config(self) -> dict[str, str]:
+        bundle = self.home / "token-ca.pem"
+        bundle.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
+        return {"realm": self.realm, "service": self.SERVICE, "issuer": self.ISSUER, "rootcertbundle": str(bundle)}
+
+    def issue(self, subject: str, access: list[tuple[str, str, list[str]]]) -> str:
+        """A signed JWT granting `access` ([(type, name, actions)]), the x5c header naming the key."""
+
+        def b64url(data: bytes) -> str:
+            return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+        now = int(time.time())
+        header = {"typ": "JWT", "alg": "RS256", "x5c": [base64.b64encode(self._cert.public_bytes(serialization.Encoding.DER)).decode()]}
+        claims = {
+            "iss": self.ISSUER, "sub": subject, "aud": self.SERVICE, "jti": secrets.token_hex(8),
+            "iat": now - 10, "nbf": now - 10, "exp": now + 300,
+            "access": [{"type": t, "name": n, "actions": a} for t, n, a in access],
+        }
+        signing_input = b64url(json.dumps(header).encode()) + "." + b64url(json.dumps(claims).encode())
+        signature = self._key.sign(signing_input.encode(), padding.PKCS1v15(), hashes.SHA256())
+        return f"{signing_input}.{b64url(signature)}"
+
+    def start(self) -> TokenService:
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+                query = parse_qs(urlsplit(self.path).query)
+                supplied = self.headers.get("Authorization", "")
+                subject, access = "", []
+                if supplied:
+                    expected = "Basic " + base64.b64encode(f"{service.user}:{service.password}".encode()).decode()
+                    if supplied != expected:
+                        self.reply(401, {"errors": [{"code": "UNAUTHORIZED", "message": "incorrect username or password"}]})
+                        return
+                    subject = service.user
+                    for scope in query.get("scope", []):
+                        kind, _, rest = scope.partition(":")
+                        name, _, actions = rest.rpartition(":")
+                        access.append((kind, name, actions.split(",")))
+                self.reply(200, {"token": service.issue(subject, access)})
+
+            def reply(self, status: int, body: object) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's name
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._server.serve_forever, name="token-service", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
 @dataclass
 class RegistryServer:
-    """One `docker-registry serve` on 127.0.0.1, with htpasswd credentials (or none, `auth=False`)."""
+    """One `docker-registry serve` on 127.0.0.1. `auth` is "htpasswd" (Basic), "token" (Bearer tokens
+    from a TokenService of its own, which takes the same user and password) or None (no auth)."""
 
     home: Path
-    auth: bool = True
+    auth: str | None = "htpasswd"
     user: str = "podium-test"
     password: str = field(default_factory=lambda: secrets.token_urlsafe(12))
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    tokens: TokenService | None = None
 
     @property
     def host(self) -> str:
@@ -214,7 +325,10 @@ class RegistryServer:
             "storage": {"filesystem": {"rootdirectory": str(self.home / "storage")}},
             "http": {"addr": self.host, "secret": secrets.token_hex(16)},
         }
-        if self.auth:
+        if self.auth == "token":
+            self.tokens = TokenService(self.home, self.user, self.password).start()
+            config["auth"] = {"token": self.tokens.registry_config()}
+        elif self.auth == "htpasswd":
             htpasswd = shutil.which("htpasswd")
             if htpasswd is None:
                 missing_tool("htpasswd", "Debian: apt-get install apache2-utils")
@@ -246,6 +360,8 @@ class RegistryServer:
         return self
 
     def stop(self) -> None:
+        if self.tokens is not None:
+            self.tokens.stop()
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()
@@ -262,8 +378,11 @@ class RegistryServer:
     def push(self, repository: str, tag: str, image: Image) -> str:
         """Upload the image's blobs (monolithically) and put its manifest under `tag`, moving the tag
         if it named another image. Returns the manifest digest the registry reports."""
-        auth = self.credentials if self.auth else None
-        with httpx.Client(base_url=f"http://{self.host}", auth=auth, timeout=30) as c:
+        auth = self.credentials if self.auth == "htpasswd" else None
+        headers = {}
+        if self.tokens is not None:
+            headers["Authorization"] = "Bearer " + self.tokens.issue(self.user, [("repository", repository, ["pull", "push"])])
+        with httpx.Client(base_url=f"http://{self.host}", auth=auth, headers=headers, timeout=30) as c:
             for blob in image.blobs():
                 digest = sha256_digest(blob)
                 if c.head(f"/v2/{repository}/blobs/{digest}").status_code == 200:
@@ -303,7 +422,7 @@ def registry_factory(tmp_path: Path) -> Iterator[Callable[..., RegistryServer]]:
     """Start more registries for one test (one to stop, one without auth); all are stopped after it."""
     started: list[RegistryServer] = []
 
-    def start(*, auth: bool = True) -> RegistryServer:
+    def start(*, auth: str | None = "htpasswd") -> RegistryServer:
         server = RegistryServer(tmp_path / f"registry-{len(started)}", auth=auth)
         started.append(server)
         return server.start()

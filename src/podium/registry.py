@@ -18,8 +18,8 @@ and the registry's own words (its JSON `errors[].message`, or the status line) t
                                          that demands them
 
 This module must never log or keep the credentials it is given, never pull anything but the
-manifest, and never speak plain http to a registry that is neither on loopback nor marked
-insecure by the operator: credentials would cross the network in the clear.
+manifest, and never speak plain http to a registry (or send credentials to a token service) that
+is neither on loopback nor marked insecure by the operator: they would cross the network in the clear.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ async def resolve(
         async with asyncio.timeout(timeout):
             # trust_env: an operator's HTTPS_PROXY and SSL_CERT_FILE apply, as they do for Docker.
             async with httpx.AsyncClient(timeout=timeout, follow_redirects=True, trust_env=True) as client:
-                return await _Exchange(client, ref, credentials).run(url)
+                return await _Exchange(client, ref, credentials, insecure=insecure).run(url)
     except TimeoutError:
         raise RegistryUnreachable(ref.registry, f"no answer within {timeout:g}s") from None
     except httpx.HTTPError as e:
@@ -158,10 +158,13 @@ async def resolve(
 class _Exchange:
     """One resolution: the requests, and the Authorization the registry's challenge led to."""
 
-    def __init__(self, client: httpx.AsyncClient, ref: ImageRef, credentials: tuple[str, str] | None) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, ref: ImageRef, credentials: tuple[str, str] | None, *, insecure: bool
+    ) -> None:
         self.client = client
         self.ref = ref
         self.credentials = credentials
+        self.insecure = insecure
         self.authorization: str | None = None
 
     async def run(self, url: str) -> str:
@@ -193,7 +196,8 @@ class _Exchange:
         bearer = challenges.get("bearer")
         if bearer is not None and bearer.get("realm"):
             return f"Bearer {await self.fetch_token(bearer)}"
-        if "basic" in challenges and self.credentials is not None:
+        # Basic, or a 401 with no challenge we know: Basic is what registries fall back to.
+        if self.credentials is not None:
             return _basic(self.credentials)
         return None
 
@@ -202,8 +206,16 @@ class _Exchange:
         params = {"scope": challenge.get("scope") or f"repository:{self.ref.repository}:pull"}
         if challenge.get("service"):
             params["service"] = challenge["service"]
-        headers = {"Authorization": _basic(self.credentials)} if self.credentials is not None else {}
-        r = await self.client.get(challenge["realm"], params=params, headers=headers)
+        realm = challenge["realm"]
+        headers = {}
+        if self.credentials is not None:
+            realm_host = httpx.URL(realm).netloc.decode()
+            if httpx.URL(realm).scheme != "https" and not (self.insecure or is_loopback(realm_host)):
+                raise RegistryCredentialsRefused(
+                    self.ref.registry, f"the token service {realm} is plain http; the credentials are not sent there"
+                )
+            headers["Authorization"] = _basic(self.credentials)
+        r = await self.client.get(realm, params=params, headers=headers)
         if not r.is_success:
             error = _error_for(self.ref.registry, r)
             if isinstance(error, ImageNotFound):  # a token service has no images: its 4xx is a refusal
@@ -215,7 +227,7 @@ class _Exchange:
         except (ValueError, AttributeError):
             token = None
         if not isinstance(token, str) or not token:
-            raise RegistryCredentialsRefused(self.ref.registry, f"the token service at {challenge['realm']} gave no token")
+            raise RegistryCredentialsRefused(self.ref.registry, f"the token service {realm} gave no token")
         return token
 
     def digest_of(self, r: httpx.Response) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import socket
+import tarfile
 from collections.abc import Callable
 
 import httpx
@@ -12,7 +14,7 @@ from podium import reasons
 from podium.images import parse_image
 from podium.registry import ImageNotFound, RegistryCredentialsRefused, RegistryUnreachable, resolve
 from tests.harness import free_port
-from tests.registry import MANIFEST_V2, RegistryServer, note_image, registry, registry_factory  # noqa: F401
+from tests.registry import MANIFEST_V2, RegistryServer, busybox_image, note_image, registry, registry_factory  # noqa: F401
 
 
 async def test_resolve_with_credentials_gives_the_pushed_digest(registry: RegistryServer) -> None:
@@ -101,7 +103,7 @@ async def test_a_registry_that_never_answers_is_unreachable_within_the_timeout()
 
 
 async def test_a_registry_without_auth_needs_no_credentials(registry_factory: Callable[..., RegistryServer]) -> None:
-    open_registry = registry_factory(auth=False)
+    open_registry = registry_factory(auth=None)
     repo = open_registry.unique_repo()
     pushed = open_registry.push(repo, "latest", note_image("public"))
     assert await resolve(parse_image(f"{open_registry.host}/{repo}"), None, timeout=30) == pushed
@@ -111,3 +113,44 @@ async def test_a_reference_with_a_digest_is_not_asked_about() -> None:
     digest = "sha256:" + "ab" * 32
     nobody = f"127.0.0.1:{free_port()}"  # nothing listens here: asking would raise RegistryUnreachable
     assert await resolve(parse_image(f"{nobody}/team/app:1.4@{digest}"), None, timeout=5) == digest
+
+
+async def test_a_registry_with_bearer_tokens_is_resolved_through_its_token_service(
+    registry_factory: Callable[..., RegistryServer],
+) -> None:
+    # The flow Docker Hub, GHCR and Harbor use: a 401 naming a token realm, a token fetched there
+    # with the credentials, the request again with the token. The registry checks the token's signature.
+    bearer = registry_factory(auth="token")
+    repo = bearer.unique_repo()
+    old = bearer.push(repo, "1", note_image("bearer one"))
+    ref = parse_image(f"{bearer.host}/{repo}:1")
+    assert await resolve(ref, bearer.credentials, timeout=30) == old
+    new = bearer.push(repo, "1", note_image("bearer two"))
+    assert await resolve(ref, bearer.credentials, timeout=30) == new != old
+    # no credentials: an anonymous token that grants nothing, and the registry's refusal
+    with pytest.raises(RegistryCredentialsRefused) as e:
+        await resolve(ref, None, timeout=30)
+    assert e.value.words == "authentication required"
+    # wrong credentials: the token service's own refusal
+    with pytest.raises(RegistryCredentialsRefused) as e:
+        await resolve(ref, (bearer.user, "not-" + bearer.password), timeout=30)
+    assert e.value.words == "incorrect username or password"
+    with pytest.raises(ImageNotFound):
+        await resolve(parse_image(f"{bearer.host}/{repo}:2"), bearer.credentials, timeout=30)
+
+
+async def test_the_busybox_test_image_round_trips_through_the_registry(registry: RegistryServer) -> None:
+    # The image the container tests run: what the registry gives back is a root an engine can start.
+    image = busybox_image("round trip")
+    repo = registry.unique_repo()
+    digest = registry.push(repo, "test", image)
+    assert await resolve(parse_image(f"{registry.host}/{repo}:test"), registry.credentials, timeout=30) == digest
+    with httpx.Client(base_url=f"http://{registry.host}", auth=registry.credentials) as c:
+        manifest = c.get(f"/v2/{repo}/manifests/{digest}", headers={"Accept": MANIFEST_V2}).json()
+        layer = c.get(f"/v2/{repo}/blobs/{manifest['layers'][0]['digest']}", follow_redirects=True).content
+    with tarfile.open(fileobj=io.BytesIO(layer), mode="r:gz") as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    assert members["bin/busybox"].isfile() and members["bin/busybox"].mode & 0o111
+    for applet in ("sh", "echo", "sleep", "cat", "true"):
+        assert members[f"bin/{applet}"].issym() and members[f"bin/{applet}"].linkname == "busybox"
+    assert busybox_image("another").digest != image.digest  # a note is enough to make another image

@@ -89,3 +89,15 @@ def test_refusals_are_classified_with_the_registrys_words(status: int, body: obj
     assert error.words == words
     assert error.reason in (reasons.REGISTRY_UNREACHABLE, reasons.IMAGE_NOT_FOUND, reasons.REGISTRY_REFUSED)
     assert error.transient == (cls is RegistryUnreachable)
+
+
+async def test_credentials_are_never_sent_to_a_plain_http_token_service_off_loopback() -> None:
+    from podium.images import parse_image
+    from podium.registry import _Exchange
+
+    async with httpx.AsyncClient() as client:
+        exchange = _Exchange(client, parse_image("reg.example.com/team/app:1"), ("user", "secret"), insecure=False)
+        with pytest.raises(RegistryCredentialsRefused) as e:
+            # refused before any request is made: a broken check would try to connect and fail otherwise
+            await exchange.fetch_token({"realm": "http://auth.example.com/token", "service": "reg"})
+        assert "plain http" in e.value.words and "secret" not in str(e.value)
