@@ -350,7 +350,7 @@ class RegistryServer:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"docker-registry exited with {self.proc.returncode}:\n{self.log_path.read_text()[-2000:]}")
-            return httpx.get(f"http://{self.host}/v2/", timeout=2).status_code == expected
+            return httpx.get(f"http://{self.host}/v2/", timeout=2, trust_env=False).status_code == expected
 
         try:
             wait_for(ready, timeout=30, what=f"the registry on {self.host} to answer /v2/ with {expected}")
@@ -382,7 +382,7 @@ class RegistryServer:
         headers = {}
         if self.tokens is not None:
             headers["Authorization"] = "Bearer " + self.tokens.issue(self.user, [("repository", repository, ["pull", "push"])])
-        with httpx.Client(base_url=f"http://{self.host}", auth=auth, headers=headers, timeout=30) as c:
+        with httpx.Client(base_url=f"http://{self.host}", auth=auth, headers=headers, timeout=30, trust_env=False) as c:
             for blob in image.blobs():
                 digest = sha256_digest(blob)
                 if c.head(f"/v2/{repository}/blobs/{digest}").status_code == 200:

@@ -146,8 +146,10 @@ async def resolve(
     url = f"{base_url(ref.registry, insecure=insecure)}/v2/{ref.repository}/manifests/{ref.reference}"
     try:
         async with asyncio.timeout(timeout):
-            # trust_env: an operator's HTTPS_PROXY and SSL_CERT_FILE apply, as they do for Docker.
-            async with httpx.AsyncClient(timeout=timeout, follow_redirects=True, trust_env=True) as client:
+            # An operator's HTTPS_PROXY and SSL_CERT_FILE apply, as they do for Docker; and as in Docker
+            # (Go's ProxyFromEnvironment), never a proxy for a registry on loopback.
+            trust_env = not is_loopback(ref.registry)
+            async with httpx.AsyncClient(timeout=timeout, follow_redirects=True, trust_env=trust_env) as client:
                 return await _Exchange(client, ref, credentials, insecure=insecure).run(url)
     except TimeoutError:
         raise RegistryUnreachable(ref.registry, f"no answer within {timeout:g}s") from None

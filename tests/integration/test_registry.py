@@ -43,6 +43,7 @@ async def test_a_moved_tag_resolves_to_the_new_digest_and_the_old_pin_still_name
         f"http://{registry.host}/v2/{repo}/manifests/{old}",
         auth=registry.credentials,
         headers={"Accept": MANIFEST_V2},
+        trust_env=False,
     )
     assert r.status_code == 200 and r.content == note_image("before").manifest
 
@@ -145,7 +146,7 @@ async def test_the_busybox_test_image_round_trips_through_the_registry(registry:
     repo = registry.unique_repo()
     digest = registry.push(repo, "test", image)
     assert await resolve(parse_image(f"{registry.host}/{repo}:test"), registry.credentials, timeout=30) == digest
-    with httpx.Client(base_url=f"http://{registry.host}", auth=registry.credentials) as c:
+    with httpx.Client(base_url=f"http://{registry.host}", auth=registry.credentials, trust_env=False) as c:
         manifest = c.get(f"/v2/{repo}/manifests/{digest}", headers={"Accept": MANIFEST_V2}).json()
         layer = c.get(f"/v2/{repo}/blobs/{manifest['layers'][0]['digest']}", follow_redirects=True).content
     with tarfile.open(fileobj=io.BytesIO(layer), mode="r:gz") as tar:
@@ -154,3 +155,15 @@ async def test_the_busybox_test_image_round_trips_through_the_registry(registry:
     for applet in ("sh", "echo", "sleep", "cat", "true"):
         assert members[f"bin/{applet}"].issym() and members[f"bin/{applet}"].linkname == "busybox"
     assert busybox_image("another").digest != image.digest  # a note is enough to make another image
+
+
+async def test_a_registry_on_loopback_is_never_asked_through_a_proxy(
+    registry: RegistryServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As Docker does: an operator's proxy settings are for the outside world, not for 127.0.0.1.
+    dead = f"http://127.0.0.1:{free_port()}"
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(var, dead)
+    repo = registry.unique_repo()
+    pushed = registry.push(repo, "1", note_image("no proxy"))
+    assert await resolve(parse_image(f"{registry.host}/{repo}:1"), registry.credentials, timeout=30) == pushed
