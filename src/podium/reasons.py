@@ -56,3 +56,9 @@ QUEUED_REASONS = (
     NO_GPU,
     FULL,
 )
+
+# --- resolving a container image's tag to a digest when the task is placed ---------------------------
+# The registry's own words (its error message, or the status line) are stored beside these.
+REGISTRY_UNREACHABLE = "the image's registry cannot be reached"  # queued: it may answer later
+IMAGE_NOT_FOUND = "the image does not exist in its registry"  # failed
+REGISTRY_REFUSED = "the image's registry refused the credentials for it"  # failed
