@@ -16,7 +16,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import re
+import socket
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from typing import Any
 
 import docker
 import docker.auth
+import docker.constants
 import docker.errors
 import requests.exceptions
 
@@ -94,6 +97,14 @@ class ContainerBackend(Backend):
     # ---- clients -------------------------------------------------------------------------------
 
     def _client(self, timeout: float | None) -> docker.DockerClient:
+        url = self.host or os.environ.get("DOCKER_HOST") or docker.constants.DEFAULT_UNIX_SOCKET
+        path = url.removeprefix("http+unix://").removeprefix("unix://")
+        if path != url:
+            # the SDK asks the engine's version as it is made and, when the socket refuses, leaks
+            # the socket it tried: try it ourselves first, and say plainly what is not there
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(CONTROL_TIMEOUT)
+                s.connect(path)
         if self.host:
             return docker.DockerClient(base_url=self.host, timeout=timeout)  # type: ignore[arg-type]
         return docker.from_env(timeout=timeout)  # type: ignore[arg-type]
@@ -190,13 +201,17 @@ class ContainerBackend(Backend):
             # passed per call, for this registry only: the SDK neither logs nor stores it
             auth = {"username": spec.registry_auth.username, "password": spec.registry_auth.password}
         repo, tag = _split_for_pull(spec.image)
+        error = None
         try:
-            # the progress stream carries errors the HTTP status does not (a refused pull is a 200)
+            # the progress stream carries errors the HTTP status does not (a refused pull is a 200);
+            # read to its end so the connection is released
             for ev in self.blocking.api.pull(repo, tag=tag, stream=True, decode=True, auth_config=auth):
-                if isinstance(ev, dict) and ev.get("error"):
-                    raise StartFailed(FAILURE_PROVISIONING, f"pull {spec.image}: {ev['error']}")
+                if isinstance(ev, dict) and ev.get("error") and error is None:
+                    error = str(ev["error"])
         except docker.errors.APIError as e:
             raise StartFailed(FAILURE_PROVISIONING, f"pull {spec.image}: {_engine_words(e)}") from e
+        if error is not None:
+            raise StartFailed(FAILURE_PROVISIONING, f"pull {spec.image}: {error}")
         try:
             api.inspect_image(spec.image)
         except docker.errors.APIError as e:
@@ -275,6 +290,12 @@ class ContainerBackend(Backend):
         if stream is not None:
             with contextlib.suppress(Exception):
                 stream.close()
+            # CancellableStream.close shuts the socket but leaves the response's reader holding its
+            # file descriptor until garbage collection; close the response too
+            response = getattr(stream, "_response", None)
+            if response is not None:
+                with contextlib.suppress(Exception):
+                    response.close()
 
     # ---- wait / stop / destroy -----------------------------------------------------------------
 
