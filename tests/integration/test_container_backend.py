@@ -276,3 +276,19 @@ async def test_memory_over_the_limit_ends_as_oom(backend: ContainerBackend, engi
     out, res, h = await run(backend, spec("sh", "-c", "echo fine; exit 3", memory_bytes=16 * 2**20))
     assert (res.failure_class, res.oom, res.exit_code) == (FAILURE_EXIT, False, 3)
     await backend.destroy(h)
+
+
+async def test_a_container_silent_longer_than_the_control_timeout_still_streams(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    import podium.agent.backends.container as container
+
+    # control calls give up after 1s here; the output stream and the wait must not
+    monkeypatch.setattr(container, "CONTROL_TIMEOUT", 1.0)
+    b = ContainerBackend(node_id=f"n-{uuid.uuid4().hex[:12]}", instance_id="i-1", host=engine.url)
+    try:
+        out, res, h = await run(b, spec("sh", "-c", "echo early; sleep 3; echo late"))
+        assert (res.exit_code, out.text("stdout")) == (0, "early\nlate\n")
+        await b.destroy(h)
+    finally:
+        await b.close()

@@ -45,6 +45,7 @@ from podium.agent.backends.base import (
     Handle,
     OutputSink,
     Recovered,
+    RegistryAuth,
     ReleaseProof,
     RunSpec,
     StartFailed,
@@ -152,6 +153,8 @@ class ContainerBackend(Backend):
                     digests.add(digest)
         name = next((c.get("Name") for c in version.get("Components") or () if c.get("Name")), "engine")
         detail = f"{name} {version.get('Version', '?')} (API {version.get('ApiVersion', '?')})"
+        if not enforces:
+            detail += "; limits not enforced (the engine reports no memory/CPU cgroup controllers)"
         return Fingerprint(
             kind=KIND,
             available=True,
@@ -195,11 +198,7 @@ class ContainerBackend(Backend):
             pass
         except docker.errors.APIError as e:
             raise StartFailed(FAILURE_PROVISIONING, _engine_words(e)) from e
-        auth = None
-        registry, _ = docker.auth.resolve_repository_name(_repository(spec.image))
-        if spec.registry_auth is not None and _same_registry(spec.registry_auth.registry, registry):
-            # passed per call, for this registry only: the SDK neither logs nor stores it
-            auth = {"username": spec.registry_auth.username, "password": spec.registry_auth.password}
+        auth = pull_auth(spec.image, spec.registry_auth)
         repo, tag = _split_for_pull(spec.image)
         error = None
         try:
@@ -396,6 +395,17 @@ class ContainerBackend(Backend):
                 )
             )
         return found
+
+
+def pull_auth(image: str, auth: RegistryAuth | None) -> dict[str, str] | None:
+    """The auth_config for pulling `image`: the credentials only when they are for the image's own
+    registry (passed per call: the SDK neither logs nor stores them), else none at all."""
+    if auth is None:
+        return None
+    registry, _ = docker.auth.resolve_repository_name(_repository(image))
+    if not _same_registry(auth.registry, registry):
+        return None
+    return {"username": auth.username, "password": auth.password, "serveraddress": registry}
 
 
 def _engine_words(e: BaseException) -> str:
