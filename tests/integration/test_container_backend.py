@@ -292,3 +292,12 @@ async def test_a_container_silent_longer_than_the_control_timeout_still_streams(
         await b.destroy(h)
     finally:
         await b.close()
+
+
+async def test_a_pinned_reference_held_locally_runs_without_a_registry(backend: ContainerBackend, engine: Engine) -> None:  # noqa: F811
+    # every attempt runs `image@sha256:…`; no registry answers here, so this proves no pull happened
+    pinned = engine.client.api.inspect_image(TEST_IMAGE)["RepoDigests"][0]  # type: ignore[attr-defined]
+    assert "@sha256:" in pinned
+    out, res, h = await run(backend, spec("echo", "pinned", image=pinned))
+    assert (res.exit_code, out.text("stdout")) == (0, "pinned\n")
+    await backend.destroy(h)
