@@ -1,0 +1,76 @@
+"""The process backend behind the driver interface (backends/process.py over ProcessRun): the same
+verbs and results the container backend gives, on real process groups."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+import podium.agent.backends as backends
+from podium.agent.backends import FAILURE_CANCELLED, FAILURE_EXIT, FAILURE_TIMEOUT, RunSpec, StartFailed
+from podium.agent.backends.process import ProcessBackend
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Output:
+    def __init__(self) -> None:
+        self.data = {"stdout": b"", "stderr": b""}
+
+    async def __call__(self, stream: str, data: bytes) -> None:
+        self.data[stream] += data
+
+
+def spec(*command: str) -> RunSpec:
+    return RunSpec(task_id="t-1", token=1, command=command)
+
+
+def test_the_failure_classes_are_the_seeds() -> None:
+    assert backends.FAILURE_CLASSES == {
+        "exit", "timeout", "cancelled", "node_lost", "not_accepted", "provisioning", "oom", "internal"
+    }  # fmt: skip
+    assert sorted(backends.__all__) == sorted(n for n in dir(backends) if not n.startswith("_") and n not in ("base", "process", "container"))
+
+
+async def test_output_exit_code_and_proof(tmp_path: Path) -> None:
+    b = ProcessBackend()
+    fp = await b.fingerprint()
+    assert fp.available and fp.kind == "process" and not fp.enforces_limits
+    h = await b.start(spec("sh", "-c", "echo out; echo err >&2; exit 4"), {"PATH": os.environ["PATH"]}, tmp_path / "w")
+    out = Output()
+    res = await b.wait(h, out)
+    assert (res.exit_code, res.failure_class) == (4, FAILURE_EXIT) and out.data == {"stdout": b"out\n", "stderr": b"err\n"}
+    proof = await b.destroy(h)
+    assert proof.ref == h.ref and proof.at <= datetime.now(UTC)
+    assert await b.recover() == []
+
+
+@pytest.mark.parametrize("why", [FAILURE_CANCELLED, FAILURE_TIMEOUT])
+async def test_stop_is_sigterm_then_sigkill_after_the_grace(tmp_path: Path, why: str) -> None:
+    b = ProcessBackend()
+    script = "trap 'echo got TERM' TERM; echo ready; while true; do sleep 0.1; done"
+    h = await b.start(spec("sh", "-c", script), {"PATH": os.environ["PATH"]}, tmp_path / "w")
+    out = Output()
+    waiter = asyncio.create_task(b.wait(h, out))
+    async with asyncio.timeout(30):
+        while b"ready" not in out.data["stdout"]:
+            await asyncio.sleep(0.02)
+    t0 = time.monotonic()
+    await b.stop(h, kill_grace=1.0, failure_class=why)
+    res = await waiter
+    assert time.monotonic() - t0 >= 0.9 and b"got TERM" in out.data["stdout"]
+    assert (res.exit_code, res.failure_class) == (137, why)
+    await b.destroy(h)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(int(h.ref), 0)
+
+
+async def test_a_missing_command_is_the_exit_a_shell_gives(tmp_path: Path) -> None:
+    with pytest.raises(StartFailed) as ei:
+        await ProcessBackend().start(spec("/no/such/command"), {}, tmp_path / "w")
+    assert (ei.value.failure_class, ei.value.exit_code) == (FAILURE_EXIT, 127) and "/no/such/command" in ei.value.message
