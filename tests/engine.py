@@ -158,6 +158,8 @@ class PodmanService:
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 env=env,
+                # conmon writes its marker files (e.g. `oom`) into the service's working directory
+                cwd=base,
                 preexec_fn=_pdeathsig,
             )
         (base / "owner.pid").write_text(f"{os.getpid()}\n")
