@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from podium import __version__, metrics
-from podium.errors import Forbidden, NotFound, PodiumError, StoreUnavailable, Unauthorized
+from podium.errors import Forbidden, NotFound, StoreUnavailable, Unauthorized
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.scheduler import policy
