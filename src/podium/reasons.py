@@ -23,6 +23,9 @@ NO_CAPABILITY = "no online node has every capability this task requires"
 NO_BACKEND = "no online node offers the backend this task requires"
 NO_PROTOCOL = "no online node speaks the agent protocol version this task requires"
 HOME_UNAVAILABLE = "the task's home node is not online"
+# A node whose stream is still open but which has sent no heartbeat for UnreachableAfter (frozen,
+# partitioned): it is connected, so NO_NODES would be a lie, and it cannot take work.
+UNREACHABLE = "every node that could run this task is unreachable"
 TOO_LARGE = "the task is larger than any node that could run it can ever hold"
 NO_DISK = "no online node has enough free disk for this task"
 NO_GPU = "no online node has enough free GPUs for this task"
@@ -38,6 +41,7 @@ NO_ATTEMPTS_LEFT = "no attempts left"
 RETRYABLE_ERROR = "the node reported an error another node may not have"
 NODE_REVOKED = "the node was removed from the fleet"
 SECRET_MISSING = "a secret this task needs does not exist"
+SECRET_UNREADABLE = "a secret this task needs cannot be decrypted with this server's key"
 
 #: Every reason a queued task can carry, in the order placement checks for them.
 QUEUED_REASONS = (
@@ -50,6 +54,7 @@ QUEUED_REASONS = (
     NO_LABELS,
     NO_CAPABILITY,
     ALL_DRAINING,
+    UNREACHABLE,
     TOO_LARGE,
     NO_ROOM,
     NO_DISK,

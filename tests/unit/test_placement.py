@@ -64,8 +64,11 @@ REASON_CASES = [
     # (case id, fleet, requirements, expected reason)
     ("empty fleet", [], req(), reasons.NO_NODES),
     ("disconnected", [node(connected=False)], req(), reasons.NO_NODES),
-    ("unreachable", [node(health="unreachable")], req(), reasons.NO_NODES),
     ("offline", [node(health="offline")], req(), reasons.NO_NODES),
+    ("offline and disconnected", [node("a", health="offline"), node("b", connected=False)], req(), reasons.NO_NODES),
+    ("unreachable", [node(health="unreachable")], req(), reasons.UNREACHABLE),
+    ("unreachable and offline", [node("a", health="unreachable"), node("b", health="offline")], req(), reasons.UNREACHABLE),
+    ("home unreachable", [node("home", health="unreachable"), node("other")], req(home_node="home"), reasons.UNREACHABLE),
     ("home absent", [node()], req(home_node="ghost"), reasons.HOME_UNAVAILABLE),
     ("home offline", [node("home", health="offline"), node("other")], req(home_node="home"), reasons.HOME_UNAVAILABLE),
     ("home disconnected", [node("home", connected=False), node("other")], req(home_node="home"), reasons.HOME_UNAVAILABLE),
@@ -92,6 +95,7 @@ REASON_CASES = [
     ("no gpu: one of two", [node(gpu_free=(1,))], req(resources=replace(TASK, gpus=2)), reasons.NO_GPU),
     ("full", [node(reserved=Resources(slots=4))], req(), reasons.FULL),
     ("home fails its own check", [node("home", reserved=Resources(slots=4)), node("other")], req(home_node="home"), reasons.FULL),
+    ("unreachable and full", [node(health="unreachable", reserved=Resources(slots=4))], req(), reasons.UNREACHABLE),
     ("home is draining", [node("home", draining=True), node("other")], req(home_node="home"), reasons.ALL_DRAINING),
 ]
 
@@ -115,6 +119,14 @@ STAGED_CASES = [
     ("no room beats too large", [node("a", reserved=Resources(cpu_millis=4000)), node("b", allocatable=replace(BIG, cpu_millis=500))], req(), reasons.NO_ROOM),
     ("full beats no gpu", [node("a", gpu_free=()), node("b", reserved=Resources(slots=4))], req(resources=replace(TASK, gpus=1)), reasons.FULL),
     ("home hides the others", [node("home", pool="x"), node("other")], req(home_node="home", pool="y"), reasons.NO_POOL),
+    # an unreachable node that could not run the task anyway is not the reason it waits
+    ("pool beats unreachable", [node("a", health="unreachable", pool="x")], req(pool="y"), reasons.NO_POOL),
+    ("labels beat unreachable", [node("a", health="unreachable")], req(labels={"z": "1"}), reasons.NO_LABELS),
+    # a draining node will not take it when it answers again: for it, draining is the truth ...
+    ("draining beats unreachable on one node", [node("a", health="unreachable", draining=True)], req(), reasons.ALL_DRAINING),
+    # ... and when the only other candidate is frozen, waiting for that one is
+    ("unreachable beats draining elsewhere", [node("a", draining=True), node("b", health="unreachable")], req(), reasons.UNREACHABLE),
+    ("full beats unreachable elsewhere", [node("a", reserved=Resources(slots=4)), node("b", health="unreachable")], req(), reasons.FULL),
 ]
 
 
@@ -164,9 +176,22 @@ def test_group_key_covers_every_static_field_but_labels() -> None:
         ("protocol_max", 9),
         ("capabilities", frozenset({"c"})),
         ("draining", True),
+        ("health", "unreachable"),
     ]:
         assert group_key(replace(base, **{field_name: value})) != group_key(base), field_name
     assert group_key(replace(base, labels={"host": "h1"})) == group_key(base)
+
+
+def test_an_unreachable_node_is_never_chosen_and_says_so() -> None:
+    fleet = [node("frozen", health="unreachable"), node("busy", reserved=Resources(cpu_millis=3500))]
+    assert place_all_ways(req(), fleet) == Unplaceable(reasons.NO_ROOM)
+    small = place_all_ways(req(resources=replace(TASK, cpu_millis=100)), fleet)
+    assert isinstance(small, Placement) and small.node_id == "busy"
+    rows = {v.node_id: v.failed for v in explain(req(), fleet)}
+    assert rows == {"frozen": reasons.UNREACHABLE, "busy": reasons.NO_ROOM}
+    thawed = [replace(fleet[0], health="online"), fleet[1]]
+    result = place_all_ways(req(), thawed)
+    assert isinstance(result, Placement) and result.node_id == "frozen"
 
 
 def test_labels_are_matched_per_node_within_a_group() -> None:

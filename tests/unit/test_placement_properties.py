@@ -248,3 +248,21 @@ def test_select_node_agrees_with_explain(
         assert all(v.failed is not None for v in rows.values())
         latest = max((STAGE[v.failed] for v in rows.values() if v.failed), default=0)
         assert result == Unplaceable(reasons.QUEUED_REASONS[latest])
+
+
+@SETTINGS
+@given(scenarios(), policies)
+def test_no_nodes_only_when_nothing_is_connected_and_unreachable_only_when_a_node_is(
+    scenario: tuple[list[NodeSnapshot], list[Requirements]], policy: str
+) -> None:
+    """NO_NODES says "no node is connected": it is told exactly when no node is connected and short
+    of offline. UNREACHABLE is told only when some node is connected and unreachable."""
+    fleet, batch = scenario
+    present = any(n.connected and n.health != "offline" for n in fleet)
+    frozen = any(n.connected and n.health == "unreachable" for n in fleet)
+    placer = Placer(fleet, policy=policy)
+    for r in batch:
+        for result in (select_node(r, fleet, policy=policy), placer.place(r)):
+            if isinstance(result, Unplaceable):
+                assert (result.reason == reasons.NO_NODES) == (not present)
+                assert result.reason != reasons.UNREACHABLE or frozen

@@ -77,6 +77,21 @@ def test_retryable_errors_spend_the_attempt_budget() -> None:
     assert s.to == S.FAILED
 
 
+def test_only_a_missing_secret_is_told_as_missing() -> None:
+    gone = policy.on_undeliverable(f(S.ASSIGNED), policy.SECRET_GONE)
+    assert gone and (gone.to, gone.reason, gone.end_attempt) == (S.FAILED, reasons.SECRET_MISSING, AttemptState.REVOKED)
+    unreadable = policy.on_undeliverable(f(S.ASSIGNED), policy.SECRET_UNREADABLE)
+    assert unreadable and unreadable.reason == reasons.SECRET_UNREADABLE != reasons.SECRET_MISSING
+    assert (unreadable.to, unreadable.end_attempt) == (S.FAILED, AttemptState.REVOKED)
+    # a store that could not be asked says nothing about the secret: no step, the Assign is sent again
+    assert policy.on_undeliverable(f(S.ASSIGNED), policy.STORE_UNAVAILABLE) is None
+    # an attempt that moved on while the secrets were being read is left alone
+    for st in (S.QUEUED, S.CANCELLING, S.CANCELLED, S.FAILED):
+        assert policy.on_undeliverable(f(st), policy.SECRET_GONE) is None
+    with pytest.raises(ValueError):
+        policy.on_undeliverable(f(S.ASSIGNED), "something else")
+
+
 def test_every_step_any_decider_returns_is_an_allowed_transition() -> None:
     deciders = [
         lambda x: policy.on_node_event(x, policy.PROVISIONING, None, T),
@@ -90,6 +105,9 @@ def test_every_step_any_decider_returns_is_an_allowed_transition() -> None:
         policy.on_cancel,
         lambda x: policy.on_cancel(x, reasons.TIMEOUT),
         policy.on_cancel_grace,
+        lambda x: policy.on_undeliverable(x, policy.SECRET_GONE),
+        lambda x: policy.on_undeliverable(x, policy.SECRET_UNREADABLE),
+        lambda x: policy.on_undeliverable(x, policy.STORE_UNAVAILABLE),
     ]
     for st in TaskState:
         for attempts in (1, 3):

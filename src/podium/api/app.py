@@ -182,13 +182,15 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[TaskOut]:
         rows = await store.list_tasks(state=state.value if state else None, node_id=node, name=name, limit=limit)
-        return [task_out(r) for r in rows]
+        last = await store.last_attempt_nodes([r["id"] for r in rows])
+        return [task_out(r, last.get(r["id"])) for r in rows]
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskDetail, responses=_ERRORS)
     async def get_task(task_id: str, _who: Viewer) -> TaskDetail:
         task, attempts, events = await store.task_detail(parse_task_id(task_id))
+        last = (await store.last_attempt_nodes([task["id"]])).get(task["id"])
         return TaskDetail(
-            **task_out(task).model_dump(), attempt_list=[attempt_out(a) for a in attempts], events=[event_out(e) for e in events]
+            **task_out(task, last).model_dump(), attempt_list=[attempt_out(a) for a in attempts], events=[event_out(e) for e in events]
         )
 
     @app.post("/v1/tasks/{task_id}/cancel", response_model=TaskOut, responses=_ERRORS)
@@ -227,7 +229,8 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         return ExplainOut(
             task_id=task["id"], state=task["state"], reason=task["reason"], node_id=task["node_id"],
             nodes=[VerdictOut(node_id=v.node_id, name=row["name"] if row else v.node_id, fits=v.failed is None,
-                              failed=v.failed, score=v.score, avoided=v.node_id in avoid) for v, row in verdicts],
+                              failed=v.failed, score=v.score, avoided=v.node_id in avoid,
+                              health=row["health"] if row else None) for v, row in verdicts],
         )  # fmt: skip
 
     @app.put("/v1/specs/{name}", response_model=NamedSpecOut, status_code=201, responses=_ERRORS)

@@ -59,6 +59,10 @@ class TaskOut(BaseModel):
     spec_name: str | None
     spec_revision: int | None
     spec: dict[str, Any]
+    # Where the latest attempt ran or runs, also once the task has ended (node_id is then None: the
+    # task holds no node). Filled by the task listing and the task detail; None if never placed.
+    last_node_id: str | None = None
+    last_node_name: str | None = None
 
 
 class TaskDetail(TaskOut):
@@ -122,6 +126,7 @@ class VerdictOut(BaseModel):
     failed: str | None  # the first check this node fails for the task
     score: float | None  # higher is better, when it fits
     avoided: bool  # an earlier attempt of this task failed there
+    health: str | None = None  # online | unreachable | offline, as the node's heartbeats say
 
 
 class ExplainOut(BaseModel):
@@ -218,13 +223,15 @@ class ErrorOut(BaseModel):
     error: str
 
 
-def task_out(r: Any) -> TaskOut:
+def task_out(r: Any, last_node: tuple[str, str | None] | None = None) -> TaskOut:
+    """A task row as the API shows it; `last_node` is (id, name) of its latest attempt's node."""
     return TaskOut(
         id=r["id"], name=r["name"], state=r["state"], reason=r["reason"], terminal=TaskState(r["state"]) in TERMINAL,
         exit_code=r["exit_code"], node_id=r["node_id"], fencing_token=r["fencing_token"], attempts=r["attempts"],
         max_attempts=r["max_attempts"], priority=r["priority"], created_at=r["created_at"], updated_at=r["updated_at"],
         finished_at=r["finished_at"], lease_expires_at=r["lease_expires_at"], accept_deadline=r["accept_deadline"],
         idempotency_key=r["idempotency_key"], spec_name=r["spec_name"], spec_revision=r["spec_revision"], spec=r["spec"],
+        last_node_id=last_node[0] if last_node else None, last_node_name=last_node[1] if last_node else None,
     )  # fmt: skip
 
 

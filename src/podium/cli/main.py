@@ -22,6 +22,7 @@ import typer
 import yaml
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from podium.cli.client import Client, CliError, token_file
@@ -486,7 +487,8 @@ def ls(
         t.add_column(col)
     for r in rows:
         t.add_row(r["id"], r["name"] or "", _state(r["state"]), "" if r["exit_code"] is None else str(r["exit_code"]),
-                  r["node_id"] or "", f"{r['attempts']}/{r['max_attempts']}", r["created_at"][:19].replace("T", " "),
+                  escape(r["node_id"] or (r["terminal"] and r.get("last_node_id")) or ""),
+                  f"{r['attempts']}/{r['max_attempts']}", r["created_at"][:19].replace("T", " "),
                   r["reason"] or "")  # fmt: skip
     out.print(t)
 
@@ -494,6 +496,11 @@ def ls(
 def _state(s: str) -> str:
     color = {"succeeded": "green", "failed": "red", "lost": "red", "cancelled": "yellow", "running": "cyan"}.get(s)
     return f"[{color}]{s}[/]" if color else s
+
+
+def _health(h: str) -> str:
+    color = {"online": "green", "unreachable": "yellow", "offline": "red"}.get(h)
+    return f"[{color}]{h}[/]" if color else escape(h)
 
 
 @app.command()
@@ -505,6 +512,12 @@ def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> N
         return
     out.print(f"[bold]{d['id']}[/] {d['name'] or ''}")
     out.print(f"  state:    {_state(d['state'])}" + (f" — {d['reason']}" if d["reason"] else ""))
+    # where it runs, or (once ended, when it holds no node) where its last attempt ran
+    node = d["node_id"] or (d["terminal"] and d.get("last_node_id"))
+    if node:
+        name = d.get("last_node_name") if d.get("last_node_id") == node else None
+        where = f"{escape(name)} ({escape(node)})" if name else escape(node)
+        out.print(f"  {'node:' if d['node_id'] else 'ran on:':<9} {where}", highlight=False)
     if d["exit_code"] is not None:
         out.print(f"  exit:     {d['exit_code']}")
     spec = d["spec"]
@@ -583,7 +596,8 @@ def nodes(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
         t.add_column(col)
     for n in rows:
         a, r = n["allocatable"], n["reserved"]
-        t.add_row(n["id"], n["name"], n["health"], "yes" if n["connected"] else "no", "yes" if n["draining"] else "",
+        # health beside connected: a connected node is not a healthy one (a frozen agent's stream stays open)
+        t.add_row(n["id"], n["name"], _health(n["health"]), "yes" if n["connected"] else "no", "yes" if n["draining"] else "",
                   f"{format_cpu(r['cpu_millis'])}/{format_cpu(a['cpu_millis'])}",
                   f"{format_size(r['memory_bytes'])}/{format_size(a['memory_bytes'])}", f"{r['slots']}/{a['slots']}",
                   ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())))  # fmt: skip
@@ -613,10 +627,10 @@ def explain(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -
         return
     out.print(f"task {d['task_id']} is {_state(d['state'])}" + (f" — {d['reason']}" if d["reason"] else ""))
     t = Table(box=None)
-    for col in ("NODE", "NAME", "FITS", "SCORE", "FIRST CHECK FAILED"):
+    for col in ("NODE", "NAME", "HEALTH", "FITS", "SCORE", "FIRST CHECK FAILED"):
         t.add_column(col)
     for n in d["nodes"]:
-        t.add_row(n["node_id"], n["name"], "[green]yes[/]" if n["fits"] else "[red]no[/]",
+        t.add_row(n["node_id"], n["name"], _health(n.get("health") or ""), "[green]yes[/]" if n["fits"] else "[red]no[/]",
                   "" if n["score"] is None else f"{n['score']:.2f}" + (" (avoided: failed there before)" if n["avoided"] else ""),
                   n["failed"] or "")  # fmt: skip
     out.print(t)

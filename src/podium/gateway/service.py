@@ -21,12 +21,13 @@ from typing import Any
 import grpc
 
 from podium import __version__, metrics
-from podium.errors import Forbidden, NotFound, PodiumError, StoreUnavailable, Unauthorized
+from podium.errors import Forbidden, NotFound, StoreUnavailable, Unauthorized
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.scheduler import policy
 from podium.scheduler.service import Scheduler, facts
-from podium.security.service import Security
+from podium.security.secretbox import SecretUnreadable
+from podium.security.service import SecretMissing, Security
 from podium.states import TaskState
 from podium.store import Change, Store
 from podium.timing import Timing
@@ -225,40 +226,51 @@ class Gateway(pb_grpc.AgentGatewayServicer):
 
     async def deliver_loop(self) -> None:
         """Push what the store says nodes are owed: every node woken since the last take, in one
-        statement (a dispatch batch spread over a thousand nodes is one take, not a thousand)."""
+        statement (a dispatch batch spread over a thousand nodes is one take, not a thousand).
+
+        An Assign whose secrets could not be read because the store was unavailable is kept here
+        and sent again (with backoff) on the same stream: the take already marked it delivered, so
+        no other take would return it, and failing the task over a database blip would be a lie.
+        Should this server die meanwhile, the node's next Hello has it redelivered."""
         delay = 0.05
+        retry: list[tuple[Session, Any]] = []  # (stream, outbox row) to send again, oldest first
+        retry_delay = 0.05
         while True:
-            await self._outbox_wake.wait()
+            if retry:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._outbox_wake.wait(), timeout=retry_delay)
+            else:
+                await self._outbox_wake.wait()
             self._outbox_wake.clear()
             due, self._outbox_due = self._outbox_due, set()
             live = sorted(n for n in due if n in self.sessions)
-            if not live:
-                continue
-            try:
-                with metrics.OUTBOX_TAKE_SECONDS.time():
-                    rows = await self.reports_store.take_outbox(live)
-            except StoreUnavailable as e:
-                log.warning("outbox for %d nodes: %s", len(live), e)
-                self._outbox_due.update(live)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                self._outbox_wake.set()
-                continue
-            delay = 0.05
-            for r in rows:
-                s = self.sessions.get(r["node_id"])
-                if s is None:
-                    continue  # gone since: its next Hello has what it was not sent redelivered
+            rows: list[Any] = []
+            if live:
+                try:
+                    with metrics.OUTBOX_TAKE_SECONDS.time():
+                        rows = await self.reports_store.take_outbox(live)
+                except StoreUnavailable as e:
+                    log.warning("outbox for %d nodes: %s", len(live), e)
+                    self._outbox_due.update(live)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    self._outbox_wake.set()
+                    continue
+                delay = 0.05
+            # what waited for the store first, each still only on the stream it was taken for (a
+            # node that reconnected since is redelivered its Assigns by its Hello)
+            work = [(s, r, True) for s, r in retry if self.sessions.get(s.node_id) is s]
+            retry = []
+            work += [(s, r, False) for r in rows if (s := self.sessions.get(r["node_id"])) is not None]
+            for s, r, again in work:
                 if r["kind"] == "assign":
                     # marked delivered but not sent if this fails: closing the stream makes the
                     # node's next Hello redeliver it
                     try:
-                        await self._send_assign(s, r)
+                        if not await self._send_assign(s, r, again=again):
+                            retry.append((s, r))
                     except asyncio.CancelledError:
                         raise
-                    except StoreUnavailable as e:
-                        log.warning("task %s not sent to node %s (%s); closing its stream", r["task_id"], s.node_id, e)
-                        s.close()
                     except Exception:
                         log.exception("sending task %s to node %s failed; closing its stream", r["task_id"], s.node_id)
                         s.close()
@@ -266,27 +278,57 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                     s.send(pb.ServerMessage(cancel=pb.Cancel(
                         task_id=str(r["task_id"]), fencing_token=r["fencing_token"], reason=r["reason"] or "",
                     )))  # fmt: skip
+            retry_delay = min(retry_delay * 2, 1.0) if retry else 0.05
 
-    async def _send_assign(self, s: Session, r: Any) -> None:
+    async def _send_assign(self, s: Session, r: Any, *, again: bool = False) -> bool:
         """Resolve the task's secrets now, immediately before the Assign that carries them, and only
-        for the node that runs this attempt."""
+        for the node that runs this attempt. False when the store could not be read: nothing is
+        known yet, and the caller sends it again. With `again`, the attempt is first checked to
+        still be the task's current one (it may have been cancelled or revoked while it waited)."""
+        task_id, token = r["task_id"], r["fencing_token"]
         spec = json.loads(r["spec"])
         try:
+            if again:
+                current = await self.store.get_task(task_id)
+                if current["state"] != TaskState.ASSIGNED or current["fencing_token"] != token:
+                    return True  # moved on while it waited: nothing to send
             values, registries = await self.security.resolve(spec)
-        except (NotFound, PodiumError) as e:
-            log.warning("task %s cannot be sent: %s", r["task_id"], e)
-            await self.scheduler.apply(
-                r["task_id"], TaskState.ASSIGNED,
-                policy.Step(TaskState.FAILED, reasons.SECRET_MISSING, end_attempt=policy.A.REVOKED),
-                fencing_token=r["fencing_token"],
-            )  # fmt: skip
-            return
+        except StoreUnavailable as e:
+            log.warning("task %s: its secrets cannot be read now (%s); sending it to node %s again shortly", task_id, e, s.node_id)
+            return False
+        except SecretMissing as e:
+            log.warning("task %s cannot be sent: %s", task_id, e)
+            return await self._undeliverable(r, policy.SECRET_GONE, {"secret": e.secret})
+        except SecretUnreadable as e:
+            log.error("task %s cannot be sent to node %s: %s; every replica must be given the same key "
+                      "(PODIUM_SECRET_KEY or PODIUM_SECRET_KEY_FILE)", task_id, s.node_id, e)  # fmt: skip
+            return await self._undeliverable(r, policy.SECRET_UNREADABLE, {"secret": e.secret, "key_id": e.key_id})
+        except NotFound:
+            return True  # the task itself is gone (pruned): nothing to send
         s.send(pb.ServerMessage(assign=pb.Assign(
-            task_id=str(r["task_id"]), attempt=r["attempt"], fencing_token=r["fencing_token"],
+            task_id=str(task_id), attempt=r["attempt"], fencing_token=token,
             spec_json=r["spec"], gpu_indexes=list(r["gpu_indexes"] or ()),
             secrets=[pb.SecretValue(env=env, value=value) for env, value in values],
             registries=[pb.RegistryCredential(registry=h, username=u, password=p) for h, u, p in registries],
         )))  # fmt: skip
+        return True
+
+    async def _undeliverable(self, r: Any, problem: str, detail: dict[str, Any]) -> bool:
+        """Apply the policy's step for an Assign that cannot be sent; the detail (which secret, which
+        key) goes beside the reason, in the audit log, never into it. False if the store went away
+        meanwhile (the caller tries the whole delivery again)."""
+        step = policy.on_undeliverable(policy.TaskFacts(state=TaskState.ASSIGNED), problem)
+        try:
+            done = await self.scheduler.apply(r["task_id"], TaskState.ASSIGNED, step, fencing_token=r["fencing_token"])
+            if done is not None and step is not None:
+                await self.store.audit(
+                    f"gateway:{self.server_id}", "task.undeliverable", str(r["task_id"]),
+                    {"reason": step.reason, "fencing_token": r["fencing_token"], **detail},
+                )  # fmt: skip
+        except StoreUnavailable as e:
+            log.warning("task %s: its failure could not be recorded yet (%s); trying again", r["task_id"], e)
+            return False
+        return True
 
     # ---- the stream ----------------------------------------------------------------------------
 

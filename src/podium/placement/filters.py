@@ -3,8 +3,9 @@ them: cheapest first, and the first one a node fails is the answer to "why not t
 
 The checks are split in two because the batch placer treats them differently:
 
-* the *static* checks (pool … draining) read fields that many nodes share, so the placer runs
-  them once per group of alike nodes (`group_key`) and requirement shape, not once per node;
+* the *static* checks (pool … draining, reachable) read fields that many nodes share, so the
+  placer runs them once per group of alike nodes (`group_key`) and requirement shape, not once per
+  node;
 * the *resource* checks read what is free, which changes with every placement in a batch.
 
 Both `select_node` and the `Placer` call these same functions, which is what keeps the two exactly
@@ -24,12 +25,15 @@ from .model import NodeSnapshot, Requirements, Resources
 STAGE: dict[str, int] = {reason: i for i, reason in enumerate(reasons.QUEUED_REASONS)}
 
 ONLINE = "online"
+UNREACHABLE = "unreachable"
 
 
 def is_available(node: NodeSnapshot) -> bool:
-    """is_available is the NO_NODES stage: a node nobody holds a stream to, or that has stopped
-    heartbeating, cannot be given work however well it fits."""
-    return node.connected and node.health == ONLINE
+    """is_available is the NO_NODES stage: a node nobody holds a stream to, or that is offline,
+    is not part of the fleet placement can talk about. A connected node that has merely stopped
+    heartbeating (unreachable) passes here and fails the later UNREACHABLE stage, so that a frozen
+    fleet is told as frozen, not as absent."""
+    return node.connected and node.health in (ONLINE, UNREACHABLE)
 
 
 # --- static checks: each returns True when the node passes ------------------------------------------
@@ -64,6 +68,13 @@ def _not_draining(req: Requirements, node: NodeSnapshot) -> bool:
     return not node.draining
 
 
+def _reachable(req: Requirements, node: NodeSnapshot) -> bool:
+    # After draining on purpose: a node that is draining will not take the task even when it
+    # answers again, so "draining" is the truer sentence for it; and before the resource checks,
+    # whose sentences speak of online nodes.
+    return node.health == ONLINE
+
+
 #: STATIC_CHECKS is the static half of the pipeline, in reason order. Every field these read but
 #: the labels is part of `group_key`, which is what lets the placer check a whole group at once.
 STATIC_CHECKS: tuple[tuple[str, Callable[[Requirements, NodeSnapshot], bool]], ...] = (
@@ -74,9 +85,10 @@ STATIC_CHECKS: tuple[tuple[str, Callable[[Requirements, NodeSnapshot], bool]], .
     (reasons.NO_LABELS, _carries_labels),
     (reasons.NO_CAPABILITY, _has_capabilities),
     (reasons.ALL_DRAINING, _not_draining),
+    (reasons.UNREACHABLE, _reachable),
 )
 
-GroupKey = tuple[str, str, frozenset[str], int, int, frozenset[str], bool]
+GroupKey = tuple[str, str, frozenset[str], int, int, frozenset[str], bool, str]
 
 
 def group_key(node: NodeSnapshot) -> GroupKey:
@@ -95,6 +107,7 @@ def group_key(node: NodeSnapshot) -> GroupKey:
         node.protocol_max,
         node.capabilities,
         node.draining,
+        node.health,
     )
 
 

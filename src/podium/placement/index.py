@@ -3,7 +3,7 @@
 `select_node` scans every node for every task; at thousands of tasks a second over thousands of
 nodes that scan is the whole budget. The `Placer` instead
 
-1. groups the online nodes by everything the static checks read except labels
+1. groups the connected nodes by everything the static checks read except labels
    (`filters.group_key`), so a requirement shape is checked once per group, not once per node,
    and matches labels through a (key, value) → nodes index built the first time a task asks;
 2. keeps, per requirement *shape* (everything but resources, home node and locality), one
@@ -69,7 +69,7 @@ Key = tuple[float, str, Any]
 
 
 class _Node:
-    """_Node is the placer's running view of one online node."""
+    """_Node is the placer's running view of one connected, not offline node."""
 
     __slots__ = ("snap", "free", "util", "key", "structures", "group")
 
@@ -204,8 +204,8 @@ class _Shape:
     __slots__ = ("ranked", "worst", "_members")
 
     def __init__(self, ranked: _Ranked, worst: int) -> None:
-        self.ranked = ranked  # the compatible, non-draining online nodes
-        self.worst = worst  # the latest static stage any other online node reached
+        self.ranked = ranked  # the compatible, non-draining, reachable nodes
+        self.worst = worst  # the latest static stage any other connected node reached
         self._members: set[_Node] | None = None
 
     def members(self) -> set[_Node]:
@@ -255,6 +255,8 @@ class Placer:
         for snap in snapshots:
             if not is_available(snap):
                 continue  # offline nodes only ever contribute NO_NODES, the earliest stage
+            # (an unreachable node is kept: its group fails the UNREACHABLE static check, which
+            # is how a fleet of frozen nodes gets its own sentence)
             group = number.setdefault(group_key(snap), len(number))
             if group == len(self._groups):
                 self._groups.append([])

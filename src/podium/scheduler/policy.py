@@ -135,6 +135,31 @@ def on_cancel_grace(task: TaskFacts) -> Step | None:
     return _stopped(task, None)
 
 
+# Why an Assign could not be sent, as the gateway names it (the policy says what it means).
+SECRET_GONE = "secret_gone"  # a secret the spec names was deleted after the submission
+SECRET_UNREADABLE = "secret_unreadable"  # a stored secret cannot be decrypted with this server's key
+STORE_UNAVAILABLE = "store_unavailable"  # the secrets could not be read at all: nothing is known
+
+
+def on_undeliverable(task: TaskFacts, problem: str) -> Step | None:
+    """An Assign whose secrets could not be resolved just before it was to be sent.
+
+    Only a secret that is gone may be told as missing. A store that could not be asked says nothing
+    about the secret: no step, the gateway sends the Assign again once it can read (the task must
+    neither fail nor lose its attempt over a blip). A value this server cannot decrypt is told as
+    what it is, and fails the task like a missing one: the key is the operator's to fix, every
+    replica must hold the same one, and no retry here can decrypt it (docs/decisions.md).
+    """
+    if problem == STORE_UNAVAILABLE:
+        return None
+    if problem not in (SECRET_GONE, SECRET_UNREADABLE):
+        raise ValueError(f"unknown delivery problem {problem!r}")
+    if task.state != TaskState.ASSIGNED:
+        return None  # the attempt moved on (cancelled, revoked): nothing left to fail
+    reason = reasons.SECRET_MISSING if problem == SECRET_GONE else reasons.SECRET_UNREADABLE
+    return Step(TaskState.FAILED, reason, end_attempt=AttemptState.REVOKED)
+
+
 def _stopped(task: TaskFacts, exit_code: int | None, end: AttemptState = A.STOPPED) -> Step:
     if task.cancel_reason == reasons.TIMEOUT:
         return Step(S.FAILED, reasons.TIMEOUT, end_attempt=end, exit_code=exit_code)

@@ -6,6 +6,7 @@ data directory, readable by its owner only. Several replicas must be given the s
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 from pathlib import Path
 
@@ -21,11 +22,28 @@ class SecretKeyError(PodiumError):
     """The secret key is missing or malformed."""
 
 
+class SecretUnreadable(SecretKeyError):
+    """A stored secret cannot be decrypted with this server's key."""
+
+    def __init__(self, secret: str, key_id: str) -> None:
+        # The name and the key id are details an operator needs (which secret to set again, which
+        # replica holds which key); the value is never part of it.
+        super().__init__(
+            f"secret {secret!r} cannot be decrypted with this server's key {key_id} (was the key changed, "
+            "or was it sealed by a replica given another key?)"
+        )
+        self.secret = secret
+        self.key_id = key_id
+
+
 class SecretBox:
     def __init__(self, key: bytes) -> None:
         if len(key) != KEY_BYTES:
             raise SecretKeyError(f"the secret key must be {KEY_BYTES} bytes, got {len(key)}")
         self._aead = AESGCM(key)
+        # A short fingerprint, so that two replicas' keys can be compared without showing either:
+        # 48 bits of a hash of a 256-bit random key tell nothing about the key.
+        self.key_id = "k-" + hashlib.sha256(b"podium secret key id\0" + key).hexdigest()[:12]
 
     def seal(self, name: str, plaintext: bytes) -> tuple[bytes, bytes]:
         nonce = os.urandom(12)
@@ -35,9 +53,7 @@ class SecretBox:
         try:
             return self._aead.decrypt(bytes(nonce), bytes(ciphertext), name.encode())
         except InvalidTag:
-            raise SecretKeyError(
-                f"secret {name!r} cannot be decrypted with this server's key (was the key changed?)"
-            ) from None
+            raise SecretUnreadable(name, self.key_id) from None
 
 
 def load_key(data_dir: Path, environ: dict[str, str] | None = None) -> bytes:

@@ -25,6 +25,14 @@ REGISTRY_PREFIX = "registry:"
 _HOST = re.compile(r"^[A-Za-z0-9.\-]+(:[0-9]{1,5})?$")
 
 
+class SecretMissing(NotFound):
+    """A secret a task names no longer exists."""
+
+    def __init__(self, secret: str) -> None:
+        super().__init__(f"secret {secret!r} no longer exists")
+        self.secret = secret
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
     token_id: str
@@ -129,7 +137,11 @@ class Security:
 
     async def resolve(self, spec: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
         """(env, value) of every secret the spec names, and (registry, user, password) for the
-        registry its image comes from, if one is stored. Called just before the Assign is sent."""
+        registry its image comes from, if one is stored. Called just before the Assign is sent.
+
+        Raises SecretMissing (a named secret was deleted), SecretUnreadable (a stored value cannot
+        be decrypted with this server's key) or StoreUnavailable (nothing could be read): three
+        different things for the task, which the caller must not tell as one."""
         refs = spec.get("secrets") or []
         names = [r["name"] for r in refs]
         registry = registry_of(spec["image"]) if spec.get("image") else None
@@ -142,7 +154,7 @@ class Security:
         for ref in refs:
             row = rows.get(ref["name"])
             if row is None:
-                raise NotFound(f"secret {ref['name']!r} no longer exists")
+                raise SecretMissing(ref["name"])
             values.append((ref["env"], self.box.open(ref["name"], row["nonce"], row["ciphertext"]).decode()))
         creds: list[tuple[str, str, str]] = []
         if registry and REGISTRY_PREFIX + registry in rows:

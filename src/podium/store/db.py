@@ -368,6 +368,14 @@ class Store:
             events = await conn.fetch(self.q["task_events"], task_id)
         return task, attempts, events
 
+    async def last_attempt_nodes(self, task_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, str | None]]:
+        """task → (node id, node name) of its latest attempt; tasks never placed are left out."""
+        if not task_ids:
+            return {}
+        async with self._conn() as conn:
+            rows = await conn.fetch(self.q["last_attempt_nodes"], list(task_ids))
+        return {r["task_id"]: (r["node_id"], r["node_name"]) for r in rows}
+
     async def list_tasks(
         self, *, state: str | None = None, node_id: str | None = None, name: str | None = None, limit: int = 100
     ) -> list[asyncpg.Record]:

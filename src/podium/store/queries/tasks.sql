@@ -272,6 +272,14 @@ SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state = 'assigned' LIMIT $1) x
 -- task_attempts --
 SELECT * FROM attempts WHERE task_id = $1 ORDER BY attempt
 
+-- last_attempt_nodes --
+-- Where each task's latest attempt ran (or runs): its node's id and name, also once the task has
+-- ended and no longer holds a node. By the attempts' primary key, one row per task.
+SELECT DISTINCT ON (a.task_id) a.task_id, a.node_id, n.name AS node_name
+FROM attempts a LEFT JOIN nodes n ON n.id = a.node_id
+WHERE a.task_id = ANY($1::uuid[])
+ORDER BY a.task_id, a.attempt DESC
+
 -- task_events --
 SELECT * FROM task_events WHERE task_id = $1 ORDER BY id
 

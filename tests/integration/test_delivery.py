@@ -1,0 +1,211 @@
+"""Delivering an Assign: its secrets are read just before it is sent, and each way that can go wrong
+is told as what it is. Real PostgreSQL; the gateway's own delivery loop; a stream stood in for by
+the gateway's `Session` (what it would write to the node is read from its queue)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from podium import reasons
+from podium.gateway.service import Gateway, Session
+from podium.security.secretbox import SecretBox
+from podium.security.service import Security
+from podium.store import Store
+from podium.timing import DEFAULT_TIMING
+from tests.integration.helpers import add_node, place, scheduler, submit
+
+
+async def _eventually(cond: Any, timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        v = await cond()
+        if v:
+            return v
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@contextlib.asynccontextmanager
+async def delivering(store: Store, security: Security) -> AsyncIterator[tuple[Gateway, Session]]:
+    """A gateway running its delivery loop for one node "n1" whose stream is `Session`."""
+    gw = Gateway(store, scheduler(store), DEFAULT_TIMING, server_id="test", security=security)
+    s = Session("n1", 1)
+    gw.sessions["n1"] = s
+    loop = asyncio.create_task(gw.deliver_loop())
+    gw._schedule_sync("n1")
+    try:
+        yield gw, s
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+
+
+def sent(s: Session, kind: str) -> list[Any]:
+    msgs = []
+    while not s.out.empty():
+        m = s.out.get_nowait()
+        if m is not None and m.WhichOneof("kind") == kind:
+            msgs.append(getattr(m, kind))
+    return msgs
+
+
+async def assigned_task(store: Store, **spec: Any) -> uuid.UUID:
+    await add_node(store, "n1")
+    tid = await submit(store, **spec)
+    out = await place(store)
+    assert [a[0] for a in out.assigned] == [tid]
+    return tid
+
+
+async def audit_of(store: Store, tid: uuid.UUID) -> list[Any]:
+    return [a for a in await store.read_audit(100) if a["target"] == str(tid) and a["action"] == "task.undeliverable"]
+
+
+async def test_a_secret_sealed_with_another_key_is_told_as_undecryptable_not_missing(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    ours, theirs = SecretBox(os.urandom(32)), SecretBox(os.urandom(32))
+    await Security(store, theirs).set_secret("db", b"hunter2", "test")  # a replica with another key
+    tid = await assigned_task(store, secrets=[{"name": "db", "env": "DB"}])
+    with caplog.at_level(logging.ERROR, logger="podium.gateway.service"):
+        async with delivering(store, Security(store, ours)) as (_gw, s):
+            t = await _eventually(lambda: _ended(store, tid), what="the task to end")
+    assert (t["state"], t["reason"]) == ("failed", reasons.SECRET_UNREADABLE)
+    assert t["reason"] != reasons.SECRET_MISSING
+    _, attempts, _ = await store.task_detail(tid)
+    assert [(a["state"], a["reason"]) for a in attempts] == [("revoked", reasons.SECRET_UNREADABLE)]
+    assert sent(s, "assign") == []
+    # the detail beside the reason: which secret, and this server's key
+    (entry,) = await audit_of(store, tid)
+    assert entry["detail"]["secret"] == "db" and entry["detail"]["key_id"] == ours.key_id != theirs.key_id
+    assert entry["detail"]["reason"] == reasons.SECRET_UNREADABLE
+    # and a line for the operator that names the secret and the key, never the value
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("'db'" in m and ours.key_id in m for m in errors), errors
+    assert not any("hunter2" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_deleted_secret_is_still_told_as_missing(store: Store) -> None:
+    box = SecretBox(os.urandom(32))
+    sec = Security(store, box)
+    await sec.set_secret("db", b"v", "test")
+    tid = await assigned_task(store, secrets=[{"name": "db", "env": "DB"}])
+    await store.delete_secret("db")  # after the submission, before the delivery
+    async with delivering(store, sec) as (_gw, s):
+        t = await _eventually(lambda: _ended(store, tid), what="the task to end")
+    assert (t["state"], t["reason"]) == ("failed", reasons.SECRET_MISSING)
+    assert sent(s, "assign") == []
+    (entry,) = await audit_of(store, tid)
+    assert entry["detail"]["secret"] == "db" and "key_id" not in entry["detail"]
+
+
+async def test_a_readable_secret_is_sent(store: Store) -> None:
+    box = SecretBox(os.urandom(32))
+    sec = Security(store, box)
+    await sec.set_secret("db", b"v4lue", "test")
+    tid = await assigned_task(store, secrets=[{"name": "db", "env": "DB"}])
+    async with delivering(store, sec) as (_gw, s):
+        got = await _eventually(lambda: _sent_async(s, "assign"), what="the Assign")
+    assert [(a.task_id, [(v.env, v.value) for v in a.secrets]) for a in got] == [(str(tid), [("DB", "v4lue")])]
+    assert (await store.get_task(tid))["state"] == "assigned"
+
+
+async def _ended(store: Store, tid: uuid.UUID) -> Any:
+    t = await store.get_task(tid)
+    return t if t["state"] in ("succeeded", "failed", "cancelled", "lost", "queued") else None
+
+
+async def _sent_async(s: Session, kind: str) -> list[Any]:
+    return sent(s, kind)
+
+
+# --- the store going away while the secrets are read ---------------------------------------------------
+
+
+class Proxy:
+    """A TCP relay in front of PostgreSQL that can be cut (every connection dropped, new ones
+    refused) and restored on the same port: the database going away, as the driver sees it."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def open(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for w in list(self._writers):
+            w.close()
+        await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        self._writers.update((writer, up_w))
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            w.close()
+
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+        self._writers.difference_update((writer, up_w))
+
+
+async def test_a_store_outage_while_reading_secrets_retries_and_neither_fails_nor_loses_the_task(
+    e2e_db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = urlsplit(e2e_db_url)
+    assert url.hostname and url.port, "needs PostgreSQL over TCP"
+    proxy = Proxy(url.hostname, url.port)
+    await proxy.open()
+    proxied = urlunsplit(url._replace(netloc=f"{url.username}@127.0.0.1:{proxy.port}"))
+    store = await Store.connect(e2e_db_url, min_size=1, max_size=5)
+    # the gateway reads secrets over a pool of its own, as the server wires it
+    secrets_store = await Store.connect(proxied, min_size=1, max_size=2)
+    try:
+        box = SecretBox(os.urandom(32))
+        await Security(store, box).set_secret("db", b"v4lue", "test")
+        tid = await assigned_task(store, secrets=[{"name": "db", "env": "DB"}])
+        await proxy.cut()
+        with caplog.at_level(logging.WARNING, logger="podium.gateway.service"):
+            async with delivering(store, Security(secrets_store, box)) as (_gw, s):
+
+                async def tried_twice() -> bool:
+                    return sum("cannot be read now" in r.getMessage() for r in caplog.records) >= 2
+
+                await _eventually(tried_twice, what="two tries against the unavailable store")
+                t = await store.get_task(tid)
+                assert (t["state"], t["reason"]) == ("assigned", None)
+                assert sent(s, "assign") == []
+                await proxy.open()  # the database is back
+                got = await _eventually(lambda: _sent_async(s, "assign"), what="the Assign after the outage")
+        assert [(a.task_id, [(v.env, v.value) for v in a.secrets]) for a in got] == [(str(tid), [("DB", "v4lue")])]
+        t = await store.get_task(tid)
+        assert (t["state"], t["reason"], t["attempts"]) == ("assigned", None, 1)
+        assert not [r for r in caplog.records if reasons.SECRET_MISSING in r.getMessage()]
+    finally:
+        await secrets_store.close()
+        await store.close()
+        with contextlib.suppress(Exception):
+            await proxy.cut()
