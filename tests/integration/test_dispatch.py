@@ -135,11 +135,19 @@ async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_ch
     assert len(first.assigned) == 2 and seen[-1] == {"n1", "n2"}  # the first read is every node
     assert set(first.unplaced.values()) == {reasons.FULL}
     # nothing changed: the next tick reads its own reservations only (made after its last read)
+    async with store.pool.acquire() as c:
+        before = {r["id"]: r["changed_xid"] for r in await c.fetch("SELECT id, changed_xid FROM nodes")}
     await store.heartbeats([("n1", 1), ("n2", 1)], "test")
+    async with store.pool.acquire() as c:
+        after = {r["id"]: r["changed_xid"] for r in await c.fetch("SELECT id, changed_xid FROM nodes")}
+    assert after == before  # heartbeats change nothing placement reads: no node row is marked changed
     again = await sched.dispatch_once()
     assert again.assigned == [] and seen[-1] == {"n1", "n2"}
+    # Whether the tick after reads nothing at all depends on the whole server's oldest running
+    # transaction (its snapshot's xmin is the horizon, and an autovacuum or another database's
+    # transaction can hold it back): reading a row again is harmless; missing one is not.
     again = await sched.dispatch_once()
-    assert again.assigned == [] and seen[-1] == set()  # heartbeats changed nothing placement reads
+    assert again.assigned == [] and seen[-1] <= {"n1", "n2"}
     # capacity freed on n1 is seen at the next tick
     tid, node, tok = next(a for a in first.assigned if a[1] == "n1")
     assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.SUCCEEDED, actor="node", fencing_token=tok,
