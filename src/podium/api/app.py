@@ -124,15 +124,17 @@ def _uncursor(kind: str, cursor: str | None, types: tuple[type, ...]) -> list[An
                 out.append(value)
             elif not isinstance(value, str) or len(value) > 256 or "\x00" in value:
                 raise ValueError
-            elif typ is datetime:
-                at = datetime.fromisoformat(value)
-                if at.tzinfo is None:
-                    raise ValueError
-                out.append(at)
-            elif typ is uuid.UUID:
-                out.append(uuid.UUID(value))
             else:
-                out.append(value)
+                value.encode()  # a lone surrogate is no key of ours (UnicodeEncodeError is a ValueError)
+                if typ is datetime:
+                    at = datetime.fromisoformat(value)
+                    if at.tzinfo is None:
+                        raise ValueError
+                    out.append(at)
+                elif typ is uuid.UUID:
+                    out.append(uuid.UUID(value))
+                else:
+                    out.append(value)
     except (ValueError, OverflowError):
         raise bad from None
     return out
