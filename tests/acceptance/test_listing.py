@@ -185,3 +185,36 @@ def test_user_text_is_printed_as_it_is_and_never_as_a_traceback(cluster: Cluster
     r = cli(srv.api, "submit", str(broken))
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "line 4, column" in r.stderr, r.stderr
+
+
+def test_a_proxy_s_answers_are_one_line_and_a_traceback_only_when_asked_for() -> None:
+    """What sits in front of a server may answer anything: an error page in brackets, or a 200 that
+    is not JSON. The CLI says so in one line; PODIUM_DEBUG=1 shows the traceback for developers."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Proxy(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            status, body = (502, b"bad gateway [/x] [bold]") if "/v1/nodes" in self.path else (200, b"<html>[/x]</html>")
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    addr = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        r = cli(addr, "nodes", token="pdm_x.y")
+        assert r.returncode == 1 and r.stderr == "error: bad gateway [/x] [bold]\n", r.stderr
+        r = cli(addr, "ls", token="pdm_x.y")
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "PODIUM_DEBUG=1" in r.stderr
+        r = cli(addr, "ls", token="pdm_x.y", extra_env={"PODIUM_DEBUG": "1"})
+        assert r.returncode != 0 and "Traceback" in r.stderr, r.stderr
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
