@@ -3,6 +3,7 @@
     PodiumError
     ├── NotFound            — no such task / node
     ├── Conflict            — the request disagrees with what is stored (idempotency key reused, …)
+    │   └── Ambiguous       — an id prefix that more than one thing starts with (409, with the candidates)
     ├── InvalidRequest      — the input is wrong; the message says how to fix it
     ├── Unauthorized        — no valid credential (401)
     ├── Forbidden           — a valid credential that may not do this (403)
@@ -29,6 +30,14 @@ class NotFound(PodiumError):
 
 class Conflict(PodiumError):
     """The request conflicts with what is stored."""
+
+
+class Ambiguous(Conflict):
+    """That prefix is shared by more than one id; type more of it."""
+
+    def __init__(self, message: str | None = None, *, candidates: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.candidates = candidates or []
 
 
 class InvalidRequest(PodiumError):

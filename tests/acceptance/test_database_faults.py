@@ -13,6 +13,26 @@ import httpx
 from tests.acceptance.conftest import Cluster
 from tests.harness import assert_at_most_one_attempt_at_once, wait_for
 
+# The workload is bounded by count as well as time, so its outcome does not depend on the machine's
+# speed: a fast machine stops at MAX_SUBMISSIONS (not thousands), a slow one carries on past the
+# SUBMIT_SECONDS until it has MIN_SUBMISSIONS (within SLOW_LIMIT_SECONDS).
+SUBMIT_SECONDS = 8
+MIN_SUBMISSIONS = 20
+MAX_SUBMISSIONS = 400
+SLOW_LIMIT_SECONDS = 120
+
+
+def _all_tasks(http: httpx.Client) -> list[dict]:
+    """Every task, page by page (the listing's Link: rel="next"), however many there are."""
+    out: list[dict] = []
+    url: str | None = "/v1/tasks?limit=1000"
+    while url is not None:
+        r = http.get(url)
+        assert r.status_code == 200, r.text
+        out += r.json()
+        url = r.links.get("next", {}).get("url")
+    return out
+
 
 def _killer(db_url: str, stop: threading.Event, killed: list[int]) -> None:
     async def run() -> None:
@@ -45,9 +65,13 @@ def test_killed_database_connections_lose_no_acknowledged_submission(cluster: Cl
     refused = 0
     try:
         with httpx.Client(base_url=srv.api, timeout=30, headers={"Authorization": f"Bearer {srv.admin_token}"}) as http:
-            deadline = time.monotonic() + 8
+            started = time.monotonic()
             i = 0
-            while time.monotonic() < deadline:
+            while len(acknowledged) < MAX_SUBMISSIONS:
+                elapsed = time.monotonic() - started
+                if elapsed >= SUBMIT_SECONDS and len(acknowledged) >= MIN_SUBMISSIONS:
+                    break
+                assert elapsed < SLOW_LIMIT_SECONDS, f"only {len(acknowledged)} submissions acknowledged"
                 key = f"job-{i}"
                 # a client that did not get an answer retries with the same key, as it should
                 for _attempt in range(20):
@@ -68,14 +92,15 @@ def test_killed_database_connections_lose_no_acknowledged_submission(cluster: Cl
         stop.set()
         killer.join(10)
     assert sum(killed) > 0, "the fault was never injected"
-    assert len(acknowledged) >= 20
+    assert len(acknowledged) >= MIN_SUBMISSIONS
     # the server is still alive and every acknowledged task runs to the end, exactly once
     assert srv.alive()
     for key, tid in acknowledged.items():
         t = cluster.api.wait_state(tid, ("succeeded", "failed", "lost", "cancelled"), 120)
         assert t["state"] == "succeeded", (key, t)
         assert t["idempotency_key"] == key
-    ids = {t["id"] for t in cluster.api.http.get("/v1/tasks", params={"limit": 1000}).json()}
-    assert ids == set(acknowledged.values()), "a retried submission created a second task"
+    tasks = _all_tasks(cluster.api.http)
+    assert len(tasks) == len(acknowledged), "a retried submission created a second task"
+    assert {t["id"] for t in tasks} == set(acknowledged.values())
     wait_for(lambda: all(n["reserved"]["slots"] == 0 for n in cluster.api.nodes()), 30)
     assert_at_most_one_attempt_at_once(cluster.agents)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
-import time
+import socket
 
 from podium import reasons
 from tests.acceptance.conftest import Cluster
@@ -85,7 +85,8 @@ def test_restarting_the_server_mid_task_loses_nothing(cluster: Cluster) -> None:
     cluster.api.wait_state(tid, "running", 60)
     srv.signal(signal.SIGKILL)
     srv.p.wait(10)  # type: ignore[union-attr]
-    time.sleep(0.5)
+    # the condition the restart needs, rather than a sleep that a busy machine may outlast
+    wait_for(lambda: _bindable(srv.port) and _bindable(srv.grpc_port), 30, what="the dead server's ports to be free")
     srv2 = cluster.server(port=srv.port, grpc_port=srv.grpc_port)
     t = cluster.api.wait_state(tid, ("succeeded", "failed", "lost", "cancelled"), 90)
     assert (t["state"], t["exit_code"]) == ("failed", 7), t
@@ -93,6 +94,16 @@ def test_restarting_the_server_mid_task_loses_nothing(cluster: Cluster) -> None:
     assert cli(srv2.api, "logs", tid).stdout == "before\nafter\n"
     starts = [e for e in agent.journal_entries() if e["ev"] == "start"]
     assert len(starts) == 1
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's listeners do
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def test_bad_input_gets_one_clear_line(cluster: Cluster) -> None:

@@ -135,17 +135,16 @@ async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_ch
     assert len(first.assigned) == 2 and seen[-1] == {"n1", "n2"}  # the first read is every node
     assert set(first.unplaced.values()) == {reasons.FULL}
     # nothing changed: the next tick reads its own reservations only (made after its last read)
-    async with store.pool.acquire() as c:
-        before = {r["id"]: r["changed_xid"] for r in await c.fetch("SELECT id, changed_xid FROM nodes")}
-    await store.heartbeats([("n1", 1), ("n2", 1)], "test")
-    async with store.pool.acquire() as c:
-        after = {r["id"]: r["changed_xid"] for r in await c.fetch("SELECT id, changed_xid FROM nodes")}
-    assert after == before  # heartbeats change nothing placement reads: no node row is marked changed
+    marks = "SELECT id, changed_xid::text FROM nodes ORDER BY id"
+    async with store.pool.acquire() as conn:
+        before = await conn.fetch(marks)
+        await store.heartbeats([("n1", 1), ("n2", 1)], "test")
+        assert await conn.fetch(marks) == before  # heartbeats changed nothing placement reads
     again = await sched.dispatch_once()
     assert again.assigned == [] and seen[-1] == {"n1", "n2"}
-    # Whether the tick after reads nothing at all depends on the whole server's oldest running
-    # transaction (its snapshot's xmin is the horizon, and an autovacuum or another database's
-    # transaction can hold it back): reading a row again is harmless; missing one is not.
+    # Whether the tick after reads nothing depends on the whole PostgreSQL server, not on this test:
+    # the horizon is the xmin of a snapshot, held back by any transaction open in any database there
+    # (other tests' on a busy machine). So here: it reads nothing new, and places nothing.
     again = await sched.dispatch_once()
     assert again.assigned == [] and seen[-1] <= {"n1", "n2"}
     # capacity freed on n1 is seen at the next tick
@@ -153,7 +152,7 @@ async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_ch
     assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.SUCCEEDED, actor="node", fencing_token=tok,
                                        node_id=node, exit_code=0, end_attempt=AttemptState.EXITED)  # fmt: skip
     third = await sched.dispatch_once()
-    assert [a[1] for a in third.assigned] == ["n1"] and seen[-1] == {"n1"}
+    assert [a[1] for a in third.assigned] == ["n1"] and "n1" in seen[-1]
     # an operator's drain and a new node are seen too
     await store.set_draining("n1", True)
     await add_node(store, "n3", slots=1)

@@ -5,10 +5,15 @@ never a 500."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Annotated, Any
+from urllib.parse import urlencode
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -20,10 +25,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from podium import __version__
 from podium.api.guard import RequestGuard
 from podium.api.models import (
-    AuditOut, BatchIn, ErrorOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeOut, SubmitNamedIn, SubmitResponse,
+    AuditOut, BatchIn, ErrorOut, EventOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
 )  # fmt: skip
-from podium.errors import Conflict, Forbidden, InvalidRequest, NotFound, Overloaded, StoreUnavailable, Unauthorized
+from podium.errors import Ambiguous, Conflict, Forbidden, InvalidRequest, NotFound, Overloaded, StoreUnavailable, Unauthorized
 from podium.pressure import Pressure
 from podium.security.service import REGISTRY_PREFIX, Principal, Security, validate_registry_host
 from podium.security.tokens import Role
@@ -75,6 +80,82 @@ def parse_task_id(task_id: str) -> uuid.UUID:
         raise InvalidRequest(f"{task_id!r} is not a task id; task ids are UUIDs like 3f2a…") from None
 
 
+# ---- paging: the convention every list endpoint follows (docs/decisions.md, "Paging") ----------
+#
+# `?limit=N` rows, newest (or first) first in a stable order; when more follow, the answer carries
+# `Link: <same path and filters, after=CURSOR>; rel="next"`. The cursor is opaque (base64url JSON of
+# the last row's sort key, tagged with its listing) and good for as long as the rows exist: paging
+# is a keyset range scan from it, never OFFSET, so page 1,000 costs what page 1 does. `count=true`
+# adds `Podium-Remaining`: how many rows follow the page, counted up to REMAINING_CAP ("10000+" past it).
+REMAINING_CAP = 10_000
+_AFTER_DOC = "the cursor from the previous page's `Link: rel=\"next\"` header; omit it for the first page"
+_COUNT_DOC = f"add a `Podium-Remaining` header: how many rows follow this page (up to {REMAINING_CAP:,}, then `{REMAINING_CAP}+`)"
+_PAGE_HEADERS = {
+    "Link": {"description": 'the next page, `<URL>; rel="next"`; absent on the last page', "schema": {"type": "string"}},
+    "Podium-Remaining": {"description": "with count=true: how many rows follow this page", "schema": {"type": "string"}},
+}
+
+
+def _cursor(kind: str, *key: Any) -> str:
+    raw = json.dumps([kind, *key], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _uncursor(kind: str, cursor: str | None, types: tuple[type, ...]) -> list[Any] | None:
+    """The sort key a cursor holds, or a 422 naming `after` if it is not one this listing gave out."""
+    if cursor is None:
+        return None
+    bad = InvalidRequest(
+        f"after: {cursor[:80]!r} is not a cursor of this listing; pass the one from the previous page's "
+        'Link: rel="next" header, or omit `after` for the first page'
+    )
+    try:
+        key = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise bad from None
+    if not isinstance(key, list) or len(key) != len(types) + 1 or key[0] != kind:
+        raise bad
+    out: list[Any] = []
+    try:
+        for value, typ in zip(key[1:], types, strict=True):
+            if typ is int:
+                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+                    raise ValueError
+                out.append(value)
+            elif not isinstance(value, str) or len(value) > 256 or "\x00" in value:
+                raise ValueError
+            else:
+                value.encode()  # a lone surrogate is no key of ours (UnicodeEncodeError is a ValueError)
+                if typ is datetime:
+                    at = datetime.fromisoformat(value)
+                    if at.tzinfo is None:
+                        raise ValueError
+                    out.append(at)
+                elif typ is uuid.UUID:
+                    out.append(uuid.UUID(value))
+                else:
+                    out.append(value)
+    except (ValueError, OverflowError):
+        raise bad from None
+    return out
+
+
+def _page(request: Request, response: Response, rows: list[Any], limit: int, key: Any, remaining: int | None) -> list[Any]:
+    """Trim the one row read beyond `limit` and, if there was one, point `Link` at the next page."""
+    if len(rows) > limit:
+        rows = rows[:limit]
+        params = [(k, v) for k, v in request.query_params.multi_items() if k not in ("after", "limit")]
+        params += [("limit", str(limit)), ("after", key(rows[-1]))]
+        response.headers["Link"] = f'<{request.url.path}?{urlencode(params)}>; rel="next"'
+    if remaining is not None:
+        response.headers["Podium-Remaining"] = f"{REMAINING_CAP}+" if remaining >= REMAINING_CAP else str(remaining)
+    return rows
+
+
+# An id prefix as git and docker take them: hex digits (a uuid's dashes allowed), at most a whole uuid.
+_UUID_PREFIX = re.compile(r"^[0-9a-fA-F][0-9a-fA-F-]{0,35}$")
+
+
 # Podium's errors and the HTTP status each one is; the message is the exception's own sentence.
 _STATUS: dict[type[Exception], int] = {InvalidRequest: 422, NotFound: 404, Conflict: 409, Unauthorized: 401, Forbidden: 403}
 
@@ -120,6 +201,20 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
 
     for exc_type in _STATUS:
         app.add_exception_handler(exc_type, _podium_error)
+
+    @app.exception_handler(Ambiguous)
+    async def _ambiguous(_r: Request, exc: Ambiguous) -> JSONResponse:
+        return JSONResponse({"error": str(exc), "candidates": exc.candidates}, status_code=409)
+
+    async def task_ref(ref: str) -> uuid.UUID:
+        """A task id, or a unique prefix of one (resolved by a range scan of the primary key)."""
+        try:
+            return uuid.UUID(ref)
+        except ValueError:
+            pass
+        if not _UUID_PREFIX.match(ref) or len(ref.replace("-", "")) > 32:
+            raise InvalidRequest(f"{ref[:80]!r} is not a task id; task ids are UUIDs like 3f2a…, or a unique start of one")
+        return await store.resolve_task(ref)
 
     @app.exception_handler(StoreUnavailable)
     async def _su(_r: Request, exc: StoreUnavailable) -> JSONResponse:
@@ -173,21 +268,35 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         rows = await store.submit_many([(t.task_spec(), t.idempotency_key) for t in body.tasks], actor=who.actor)
         return [SubmitResponse(task=task_out(r), created=c) for r, c in rows]
 
-    @app.get("/v1/tasks", response_model=list[TaskOut], responses=_ERRORS)
+    @app.get("/v1/tasks", response_model=list[TaskOut], responses={**_ERRORS, 200: {"headers": _PAGE_HEADERS}})
     async def list_tasks(
         _who: Viewer,
+        request: Request,
+        response: Response,
         state: Annotated[TaskState | None, Query(description="only tasks in this state")] = None,
         node: Annotated[str | None, Query(max_length=128)] = None,
         name: Annotated[str | None, Query(max_length=128)] = None,
-        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        limit: Annotated[int, Query(ge=1, le=1000, description="tasks per page")] = 100,
+        after: Annotated[str | None, Query(max_length=512, description=_AFTER_DOC)] = None,
+        count: Annotated[bool, Query(description=_COUNT_DOC)] = False,
     ) -> list[TaskOut]:
-        rows = await store.list_tasks(state=state.value if state else None, node_id=node, name=name, limit=limit)
+        """Tasks, newest first (created_at, then id, descending), one page at a time: follow the
+        `Link: <…>; rel="next"` header (absent on the last page) to read the next one."""
+        cur = _uncursor("tasks", after, (datetime, uuid.UUID))
+        pos = (cur[0], cur[1]) if cur else None
+        filters = {"state": state.value if state else None, "node_id": node, "name": name}
+        rows = list(await store.list_tasks(**filters, limit=limit + 1, after=pos))
+        remaining = None
+        if count:
+            last = (rows[limit - 1]["created_at"], rows[limit - 1]["id"]) if len(rows) > limit else None
+            remaining = await store.count_tasks_after(**filters, after=last, cap=REMAINING_CAP) if last else 0
+        rows = _page(request, response, rows, limit, lambda r: _cursor("tasks", r["created_at"].isoformat(), str(r["id"])), remaining)
         last = await store.last_attempt_nodes([r["id"] for r in rows])
         return [task_out(r, last.get(r["id"])) for r in rows]
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskDetail, responses=_ERRORS)
     async def get_task(task_id: str, _who: Viewer) -> TaskDetail:
-        task, attempts, events = await store.task_detail(parse_task_id(task_id))
+        task, attempts, events = await store.task_detail(await task_ref(task_id))
         last = (await store.last_attempt_nodes([task["id"]])).get(task["id"])
         return TaskDetail(
             **task_out(task, last).model_dump(), attempt_list=[attempt_out(a) for a in attempts], events=[event_out(e) for e in events]
@@ -197,7 +306,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
     async def cancel(task_id: str, who: Operator) -> TaskOut:
         """Cancel a task: a queued one ends at once, one on a node is stopped there (SIGTERM, then
         SIGKILL after the grace); a task already ended is returned unchanged."""
-        tid = parse_task_id(task_id)
+        tid = await task_ref(task_id)
         row = await scheduler.cancel(tid, actor=who.actor)
         await audit(who, "task.cancel", str(tid), state=row["state"])
         return task_out(row)
@@ -210,7 +319,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
         follow: Annotated[bool, Query(description="stream NDJSON until the task ends")] = False,
     ) -> Any:
-        tid = parse_task_id(task_id)
+        tid = await task_ref(task_id)
         task = await store.get_task(tid)
         if not follow:
             rows = await store.read_logs(tid, after, limit)
@@ -225,13 +334,28 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
     @app.get("/v1/tasks/{task_id}/explain", response_model=ExplainOut, responses=_ERRORS)
     async def explain(task_id: str, _who: Viewer) -> ExplainOut:
         """Why is my task still queued? Every node with the first check it fails, or its score."""
-        task, verdicts, avoid = await scheduler.explain(parse_task_id(task_id))
+        task, verdicts, avoid = await scheduler.explain(await task_ref(task_id))
         return ExplainOut(
             task_id=task["id"], state=task["state"], reason=task["reason"], node_id=task["node_id"],
             nodes=[VerdictOut(node_id=v.node_id, name=row["name"] if row else v.node_id, fits=v.failed is None,
                               failed=v.failed, score=v.score, avoided=v.node_id in avoid,
                               health=row["health"] if row else None) for v, row in verdicts],
         )  # fmt: skip
+
+    @app.get("/v1/tasks/{task_id}/events", response_model=list[EventOut], responses={**_ERRORS, 200: {"headers": _PAGE_HEADERS}})
+    async def task_events(
+        task_id: str,
+        _who: Viewer,
+        request: Request,
+        response: Response,
+        limit: Annotated[int, Query(ge=1, le=1000, description="events per page")] = 100,
+        after: Annotated[str | None, Query(max_length=512, description=_AFTER_DOC)] = None,
+    ) -> list[EventOut]:
+        """A task's history in the order it happened, one page at a time (see `GET /v1/tasks` for paging)."""
+        cur = _uncursor("events", after, (int,))
+        rows = list(await store.task_events(await task_ref(task_id), cur[0] if cur else 0, limit + 1))
+        rows = _page(request, response, rows, limit, lambda r: _cursor("events", r["id"]), None)
+        return [event_out(e) for e in rows]
 
     @app.put("/v1/specs/{name}", response_model=NamedSpecOut, status_code=201, responses=_ERRORS)
     async def put_spec(name: str, body: TaskSpec, who: Operator) -> NamedSpecOut:
@@ -256,9 +380,25 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         resp = SubmitResponse(task=task_out(row), created=created)
         return JSONResponse(json.loads(resp.model_dump_json()), status_code=201 if created else 200)
 
-    @app.get("/v1/nodes", response_model=list[NodeOut], responses=_ERRORS)
-    async def list_nodes(_who: Viewer) -> list[NodeOut]:
-        return [node_out(r) for r in await store.list_nodes()]
+    @app.get("/v1/nodes", response_model=list[NodeOut], responses={**_ERRORS, 200: {"headers": _PAGE_HEADERS}})
+    async def list_nodes(
+        _who: Viewer,
+        request: Request,
+        response: Response,
+        limit: Annotated[int, Query(ge=1, le=1000, description="nodes per page")] = 1000,
+        after: Annotated[str | None, Query(max_length=512, description=_AFTER_DOC)] = None,
+        count: Annotated[bool, Query(description=_COUNT_DOC)] = False,
+    ) -> list[NodeOut]:
+        """Nodes by name (then id), one page at a time (see `GET /v1/tasks` for paging)."""
+        cur = _uncursor("nodes", after, (str, str))
+        pos = (cur[0], cur[1]) if cur else None
+        rows = list(await store.list_nodes_page(limit=limit + 1, after=pos))
+        remaining = None
+        if count:
+            last = (rows[limit - 1]["name"], rows[limit - 1]["id"]) if len(rows) > limit else None
+            remaining = await store.count_nodes_after(after=last, cap=REMAINING_CAP) if last else 0
+        rows = _page(request, response, rows, limit, lambda r: _cursor("nodes", r["name"], r["id"]), remaining)
+        return [node_out(r) for r in rows]
 
     @app.get("/v1/nodes/{node}", response_model=NodeOut, responses=_ERRORS)
     async def get_node(node: str, _who: Viewer) -> NodeOut:
@@ -306,7 +446,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         if len(token_id) > 64:
             raise InvalidRequest("a token id is at most 64 characters")
         row = await store.revoke_token(token_id)
-        await audit(who, "token.revoke", token_id)
+        await audit(who, "token.revoke", row["id"])
         return TokenOut(**_token_fields(row))
 
     @app.put("/v1/secrets/{name}", response_model=SecretOut, status_code=201, responses=_ERRORS)
@@ -346,9 +486,23 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         await audit(who, "node.revoke", row["id"])
         return node_out(await store.get_node(row["id"]))
 
-    @app.get("/v1/audit", response_model=list[AuditOut], responses=_ERRORS)
-    async def read_audit(_who: Admin, limit: Annotated[int, Query(ge=1, le=10000)] = 100) -> list[AuditOut]:
-        return [AuditOut(**dict(r)) for r in await store.read_audit(limit)]
+    @app.get("/v1/audit", response_model=list[AuditOut], responses={**_ERRORS, 200: {"headers": _PAGE_HEADERS}})
+    async def read_audit(
+        _who: Admin,
+        request: Request,
+        response: Response,
+        limit: Annotated[int, Query(ge=1, le=10000, description="entries per page")] = 100,
+        after: Annotated[str | None, Query(max_length=512, description=_AFTER_DOC)] = None,
+        count: Annotated[bool, Query(description=_COUNT_DOC)] = False,
+    ) -> list[AuditOut]:
+        """Who did what, newest first, one page at a time (see `GET /v1/tasks` for paging)."""
+        cur = _uncursor("audit", after, (int,))
+        rows = list(await store.read_audit(limit + 1, cur[0] if cur else None))
+        remaining = None
+        if count:
+            remaining = await store.count_audit_after(rows[limit - 1]["id"], REMAINING_CAP) if len(rows) > limit else 0
+        rows = _page(request, response, rows, limit, lambda r: _cursor("audit", r["id"]), remaining)
+        return [AuditOut(**dict(r)) for r in rows]
 
     return app
 

@@ -221,6 +221,7 @@ class AuditOut(BaseModel):
 
 class ErrorOut(BaseModel):
     error: str
+    candidates: list[str] | None = None  # an ambiguous id prefix (409): the ids it could mean
 
 
 def task_out(r: Any, last_node: tuple[str, str | None] | None = None) -> TaskOut:

@@ -7,8 +7,10 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import ssl
 
@@ -18,6 +20,20 @@ import platformdirs
 DEFAULT_ADDR = "http://127.0.0.1:8642"
 FOLLOW_RECONNECT_SECONDS = 120.0
 OVERLOAD_PATIENCE = 120.0  # seconds the CLI keeps re-sending a request an overloaded server refused
+PAGE = 1000  # rows per request when the CLI pages through a listing (the API's largest page)
+
+
+def _q(ref: str) -> str:
+    """A user's id, prefix or name as one path segment: whatever they typed stays one argument."""
+    return quote(ref, safe="")
+
+
+@dataclass
+class Listing:
+    """Rows of a paged listing, and how many follow them: an exact number, or REMAINING_CAP+ as text."""
+
+    rows: list[dict[str, Any]]
+    remaining: str = "0"
 
 
 class CliError(Exception):
@@ -59,6 +75,9 @@ class Client:
         self.http = httpx.Client(base_url=self.addr, timeout=timeout, headers=headers, verify=verify)
 
     def _request(self, method: str, path: str, **kw: Any) -> Any:
+        return self._answer(self._response(method, path, **kw))
+
+    def _response(self, method: str, path: str, **kw: Any) -> httpx.Response:
         # An overloaded server refuses submissions with 429 and stores nothing: wait as it asks and
         # send again, for up to OVERLOAD_PATIENCE seconds, telling the user once.
         give_up = time.monotonic() + OVERLOAD_PATIENCE
@@ -71,7 +90,29 @@ class Client:
                 sys.stderr.write("the server is overloaded; waiting to submit again...\n")
                 told = True
             time.sleep(min(10.0, max(0.1, _retry_after(r))))
-        return self._answer(r)
+        return r
+
+    def listing(self, path: str, limit: int | None, **params: Any) -> Listing:
+        """Up to `limit` rows (all with None) of a paged listing, following its `Link: rel="next"`
+        pages; the last request asks how many rows remain after it."""
+        rows: list[dict[str, Any]] = []
+        url: str = path
+        query: dict[str, Any] = {k: v for k, v in params.items() if v is not None}
+        while True:
+            want = PAGE if limit is None else min(PAGE, limit - len(rows))
+            last = limit is not None and want == limit - len(rows)
+            r = self._response("GET", url, params={**query, "limit": want, **({"count": "true"} if last else {})})
+            page = self._answer(r)
+            rows.extend(page)
+            nxt = r.links.get("next", {}).get("url")
+            if nxt is None:
+                return Listing(rows)
+            if last:
+                return Listing(rows, r.headers.get("Podium-Remaining", "1"))
+            # the next page's URL carries the filters and the cursor (httpx's `params` would replace
+            # its query, not add to it: so the query is taken apart here)
+            link = httpx.URL(nxt)
+            url, query = link.path, dict(link.params)
 
     def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
@@ -105,17 +146,17 @@ class Client:
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._request("POST", "/v1/tasks", json=body)
 
-    def tasks(self, **params: Any) -> list[dict[str, Any]]:
-        return self._request("GET", "/v1/tasks", params={k: v for k, v in params.items() if v is not None})
+    def tasks(self, limit: int | None = 100, **params: Any) -> Listing:
+        return self.listing("/v1/tasks", limit, **params)
 
     def task(self, task_id: str) -> dict[str, Any]:
-        return self._request("GET", f"/v1/tasks/{task_id}")
+        return self._request("GET", f"/v1/tasks/{_q(task_id)}")
 
     def cancel(self, task_id: str) -> dict[str, Any]:
-        return self._request("POST", f"/v1/tasks/{task_id}/cancel")
+        return self._request("POST", f"/v1/tasks/{_q(task_id)}/cancel")
 
     def logs(self, task_id: str, after: int = 0) -> dict[str, Any]:
-        return self._request("GET", f"/v1/tasks/{task_id}/logs", params={"after": after})
+        return self._request("GET", f"/v1/tasks/{_q(task_id)}/logs", params={"after": after})
 
     def follow(self, task_id: str, after: int = 0) -> Iterator[dict[str, Any]]:
         """NDJSON lines of a task's output until it ends, reconnecting if the stream breaks."""
@@ -125,7 +166,7 @@ class Client:
         while True:
             try:
                 with self.http.stream(
-                    "GET", f"/v1/tasks/{task_id}/logs", params={"after": after, "follow": "true"}, timeout=None
+                    "GET", f"/v1/tasks/{_q(task_id)}/logs", params={"after": after, "follow": "true"}, timeout=None
                 ) as r:
                     if r.status_code >= 400:
                         r.read()
@@ -152,13 +193,13 @@ class Client:
                 time.sleep(0.5)
 
     def explain(self, task_id: str) -> dict[str, Any]:
-        return self._request("GET", f"/v1/tasks/{task_id}/explain")
+        return self._request("GET", f"/v1/tasks/{_q(task_id)}/explain")
 
     def set_labels(self, node: str, labels: dict[str, str]) -> dict[str, Any]:
-        return self._request("PUT", f"/v1/nodes/{node}/labels", json={"labels": labels})
+        return self._request("PUT", f"/v1/nodes/{_q(node)}/labels", json={"labels": labels})
 
     def node(self, node: str) -> dict[str, Any]:
-        return self._request("GET", f"/v1/nodes/{node}")
+        return self._request("GET", f"/v1/nodes/{_q(node)}")
 
     def put_spec(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         return self._request("PUT", f"/v1/specs/{name}", json=spec)
@@ -180,7 +221,7 @@ class Client:
         return self._request("GET", "/v1/tokens")
 
     def revoke_token(self, token_id: str) -> dict[str, Any]:
-        return self._request("DELETE", f"/v1/tokens/{token_id}")
+        return self._request("DELETE", f"/v1/tokens/{_q(token_id)}")
 
     def set_secret(self, name: str, value: str) -> dict[str, Any]:
         return self._request("PUT", f"/v1/secrets/{name}", json={"value": value})
@@ -195,16 +236,16 @@ class Client:
         return self._request("PUT", f"/v1/registries/{host}", json={"username": username, "password": password})
 
     def revoke_node(self, node: str) -> dict[str, Any]:
-        return self._request("POST", f"/v1/nodes/{node}/revoke")
+        return self._request("POST", f"/v1/nodes/{_q(node)}/revoke")
 
-    def audit(self, limit: int) -> list[dict[str, Any]]:
-        return self._request("GET", "/v1/audit", params={"limit": limit})
+    def audit(self, limit: int | None) -> Listing:
+        return self.listing("/v1/audit", limit)
 
-    def nodes(self) -> list[dict[str, Any]]:
-        return self._request("GET", "/v1/nodes")
+    def nodes(self, limit: int | None = None) -> Listing:
+        return self.listing("/v1/nodes", limit)
 
     def drain(self, node: str, draining: bool) -> dict[str, Any]:
-        return self._request("POST", f"/v1/nodes/{node}/{'drain' if draining else 'undrain'}")
+        return self._request("POST", f"/v1/nodes/{_q(node)}/{'drain' if draining else 'undrain'}")
 
 
 def _retry_after(r: httpx.Response) -> float:

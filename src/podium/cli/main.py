@@ -24,8 +24,9 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from podium.cli.client import Client, CliError, token_file
+from podium.cli.client import Client, CliError, Listing, token_file
 from podium.spec import SubmitRequest, parse_label_pairs
 from podium.units import format_cpu, format_size, parse_cpu, parse_duration, parse_size
 
@@ -51,6 +52,14 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a t
 EXIT_CANCELLED = 130
 EXIT_TIMEOUT = 124
 EXIT_OTHER = 1
+
+
+class _Table(Table):
+    """A table whose text cells are shown as they are: names, labels and reasons are user text, and
+    Rich would read `[/x]` in them as markup (and fail, or drop it)."""
+
+    def add_row(self, *cells: Any, **kw: Any) -> None:
+        super().add_row(*(Text(c) if isinstance(c, str) else c for c in cells), **kw)
 
 
 def default_data_dir() -> Path:
@@ -229,11 +238,11 @@ def dev(
              "--state-dir", str(ddir / "agent")],
             env={**os.environ, "PODIUM_JOIN_TOKEN": join, "PODIUM_LOG_LEVEL": "DEBUG" if verbose else "WARNING"},
         )  # fmt: skip
-        out.print(f"[bold green]Podium is running[/] (server and one local agent, data in {ddir})")
-        out.print(f"  Token:   an admin token is in {token_file()} (the CLI reads it)", soft_wrap=True)
+        out.print(f"[bold green]Podium is running[/] (server and one local agent, data in {escape(str(ddir))})")
+        out.print(f"  Token:   an admin token is in {escape(str(token_file()))} (the CLI reads it)", soft_wrap=True)
         out.print("  Note:    no TLS — fine on loopback; give `podium server` --tls-cert/--tls-key beyond it", soft_wrap=True)
         out.print(f"  API:     {addr}   (OpenAPI: {addr}/docs)", soft_wrap=True)
-        out.print(f"  Try:     PODIUM_ADDR={addr} {_me()} run -- sh -c 'echo hello from podium'", soft_wrap=True)
+        out.print(f"  Try:     PODIUM_ADDR={addr} {escape(_me())} run -- sh -c 'echo hello from podium'", soft_wrap=True)
         out.print("  Stop:    Ctrl-C")
         if demo:
             threading.Thread(target=_demo, args=(addr, t0), daemon=True).start()
@@ -280,9 +289,9 @@ def _demo(addr: str, t0: float) -> None:
                 out.print(f"  └ task {e['state']} with exit code {e['exit_code']}")
         if running_at:
             out.print(f"  (first output {running_at - t0:.2f}s after `podium dev` started)")
-        out.print(f"  See it again: PODIUM_ADDR={addr} {_me()} show {tid}", soft_wrap=True)
+        out.print(f"  See it again: PODIUM_ADDR={addr} {escape(_me())} show {tid}", soft_wrap=True)
     except CliError as e:
-        err.print(f"demo: {e}")
+        err.print(f"demo: {e}", markup=False)
 
 
 @db_app.command("migrate")
@@ -444,7 +453,8 @@ def _attach(client: Client, tid: str) -> int:
     if state == "succeeded":
         return 0
     reason = end.get("reason") or ""
-    err.print(f"task {tid} {state}" + (f": {reason}" if reason else "") + (f" (exit code {code})" if code is not None else ""))
+    err.print(f"task {tid} {state}" + (f": {reason}" if reason else "") + (f" (exit code {code})" if code is not None else ""),
+              markup=False)  # fmt: skip
     if state == "failed" and code is not None and reason != "timeout":
         return int(code) if 0 < int(code) < 256 else EXIT_OTHER
     if state == "cancelled":
@@ -473,34 +483,60 @@ def submit(
 def ls(
     state: Annotated[str | None, typer.Option(help="only tasks in this state")] = None,
     node: Annotated[str | None, typer.Option(help="only tasks on this node")] = None,
-    limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+    limit: Annotated[int, typer.Option(min=1, help="show this many (any number: the CLI pages through them)")] = 50,
+    all_: Annotated[bool, typer.Option("--all", help="show every task")] = False,
+    wide: Annotated[bool, typer.Option("--wide", help="full task ids")] = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """List tasks, newest first."""
-    rows = Client(server).tasks(state=state, node=node, limit=limit)
+    """List tasks, newest first; a last line says how many more there are."""
+    listing = Client(server).tasks(state=state, node=node, limit=None if all_ else limit)
+    rows = listing.rows
     if json_out:
         print(json.dumps(rows, indent=2))
+        _more(listing, json_out)
         return
-    t = Table(box=None)
+    short = _short_ids([r["id"] for r in rows], wide)
+    t = _Table(box=None)
     for col in ("ID", "NAME", "STATE", "EXIT", "NODE", "ATTEMPTS", "CREATED", "REASON"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col == "ID")
     for r in rows:
-        t.add_row(r["id"], r["name"] or "", _state(r["state"]), "" if r["exit_code"] is None else str(r["exit_code"]),
-                  escape(r["node_id"] or (r["terminal"] and r.get("last_node_id")) or ""),
+        t.add_row(short[r["id"]], r["name"] or "", _state(r["state"]), "" if r["exit_code"] is None else str(r["exit_code"]),
+                  r["node_id"] or (r["terminal"] and r.get("last_node_id")) or "",
                   f"{r['attempts']}/{r['max_attempts']}", r["created_at"][:19].replace("T", " "),
                   r["reason"] or "")  # fmt: skip
     out.print(t)
+    _more(listing, json_out)
 
 
-def _state(s: str) -> str:
+def _state(s: str) -> Text:
     color = {"succeeded": "green", "failed": "red", "lost": "red", "cancelled": "yellow", "running": "cyan"}.get(s)
-    return f"[{color}]{s}[/]" if color else s
+    return Text(s, style=color or "")
 
 
-def _health(h: str) -> str:
+def _more(listing: Listing, json_out: bool) -> None:
+    """The last line of a listing cut short: how many rows it did not show, and how to see them."""
+    if listing.remaining == "0":
+        return
+    n = listing.remaining
+    count = f"more than {int(n[:-1]):,}" if n.endswith("+") else f"{int(n):,}"
+    line = f"… {count} more; use --all or --limit N"
+    (err if json_out else out).print(line, markup=False, highlight=False)
+
+
+def _short_ids(ids: list[str], wide: bool) -> dict[str, str]:
+    """Each id cut to 8 characters, or more where two shown ids would share it (as git does)."""
+    if wide:
+        return {i: i for i in ids}
+    n = 8
+    while n < max((len(i) for i in ids), default=0) and len({i[:n] for i in ids}) < len(set(ids)):
+        n += 1
+    return {i: i[:n] for i in ids}
+
+
+def _health(h: str) -> Text:
     color = {"online": "green", "unreachable": "yellow", "offline": "red"}.get(h)
-    return f"[{color}]{h}[/]" if color else escape(h)
+    return Text(h, style=color or "")
 
 
 @app.command()
@@ -510,8 +546,8 @@ def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> N
     if json_out:
         print(json.dumps(d, indent=2))
         return
-    out.print(f"[bold]{d['id']}[/] {d['name'] or ''}")
-    out.print(f"  state:    {_state(d['state'])}" + (f" — {d['reason']}" if d["reason"] else ""))
+    out.print(f"[bold]{d['id']}[/] {escape(d['name'] or '')}")
+    out.print(Text.assemble("  state:    ", _state(d["state"]), f" — {d['reason']}" if d["reason"] else ""))
     # where it runs, or (once ended, when it holds no node) where its last attempt ran
     node = d["node_id"] or (d["terminal"] and d.get("last_node_id"))
     if node:
@@ -526,10 +562,10 @@ def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> N
     res = spec.get("resources", {})
     out.print(f"  needs:    cpu {format_cpu(parse_cpu(res.get('cpu', '0m')))}, memory {format_size(int(res.get('memory', 0)))}"
               + (f", labels {spec['labels']}" if spec.get("labels") else "")
-              + (f", timeout {spec['timeout']}s" if spec.get("timeout") else ""), highlight=False)  # fmt: skip
+              + (f", timeout {spec['timeout']}s" if spec.get("timeout") else ""), markup=False, highlight=False)  # fmt: skip
     out.print(f"  attempts: {d['attempts']} of {d['max_attempts']}")
     if d["attempt_list"]:
-        t = Table(title="attempts", box=None, title_justify="left")
+        t = _Table(title="attempts", box=None, title_justify="left")
         for col in ("#", "NODE", "TOKEN", "STATE", "ASSIGNED", "STARTED", "FINISHED", "EXIT", "REASON"):
             t.add_column(col)
         for a in d["attempt_list"]:
@@ -537,7 +573,7 @@ def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> N
                       _t(a["started_at"]), _t(a["finished_at"]), "" if a["exit_code"] is None else str(a["exit_code"]),
                       a["reason"] or "")  # fmt: skip
         out.print(t)
-    t = Table(title="events", box=None, title_justify="left")
+    t = _Table(title="events", box=None, title_justify="left")
     for col in ("AT", "FROM", "TO", "TOKEN", "BY", "REASON"):
         t.add_column(col)
     for e in d["events"]:
@@ -585,13 +621,20 @@ def cancel(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) ->
 
 
 @app.command()
-def nodes(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+def nodes(
+    limit: Annotated[int, typer.Option(min=1, help="show this many (any number: the CLI pages through them)")] = 1000,
+    all_: Annotated[bool, typer.Option("--all", help="show every node")] = False,
+    server: ServerOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
     """List nodes with their health and capacity."""
-    rows = Client(server).nodes()
+    listing = Client(server).nodes(None if all_ else limit)
+    rows = listing.rows
     if json_out:
         print(json.dumps(rows, indent=2))
+        _more(listing, json_out)
         return
-    t = Table(box=None)
+    t = _Table(box=None)
     for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAINING", "CPU", "MEMORY", "SLOTS", "LABELS"):
         t.add_column(col)
     for n in rows:
@@ -602,20 +645,21 @@ def nodes(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
                   f"{format_size(r['memory_bytes'])}/{format_size(a['memory_bytes'])}", f"{r['slots']}/{a['slots']}",
                   ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())))  # fmt: skip
     out.print(t)
+    _more(listing, json_out)
 
 
 @app.command()
 def drain(node: str, server: ServerOpt = None) -> None:
     """Stop placing new work on a node; what it runs finishes."""
     n = Client(server).drain(node, True)
-    out.print(f"node {n['name']} ({n['id']}) is draining")
+    out.print(f"node {n['name']} ({n['id']}) is draining", markup=False)
 
 
 @app.command()
 def undrain(node: str, server: ServerOpt = None) -> None:
     """Let a drained node take new work again."""
     n = Client(server).drain(node, False)
-    out.print(f"node {n['name']} ({n['id']}) takes work again")
+    out.print(f"node {n['name']} ({n['id']}) takes work again", markup=False)
 
 
 @app.command()
@@ -625,12 +669,12 @@ def explain(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -
     if json_out:
         print(json.dumps(d, indent=2))
         return
-    out.print(f"task {d['task_id']} is {_state(d['state'])}" + (f" — {d['reason']}" if d["reason"] else ""))
-    t = Table(box=None)
+    out.print(Text.assemble(f"task {d['task_id']} is ", _state(d["state"]), f" — {d['reason']}" if d["reason"] else ""))
+    t = _Table(box=None)
     for col in ("NODE", "NAME", "HEALTH", "FITS", "SCORE", "FIRST CHECK FAILED"):
         t.add_column(col)
     for n in d["nodes"]:
-        t.add_row(n["node_id"], n["name"], _health(n.get("health") or ""), "[green]yes[/]" if n["fits"] else "[red]no[/]",
+        t.add_row(n["node_id"], n["name"], _health(n.get("health") or ""), Text("yes", style="green") if n["fits"] else Text("no", style="red"),
                   "" if n["score"] is None else f"{n['score']:.2f}" + (" (avoided: failed there before)" if n["avoided"] else ""),
                   n["failed"] or "")  # fmt: skip
     out.print(t)
@@ -651,7 +695,8 @@ def label(
         else:
             labels.update(_labels([change]))
     n = client.set_labels(node, labels)
-    out.print(f"node {n['name']} ({n['id']}): " + (",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())) or "no labels"))
+    out.print(f"node {n['name']} ({n['id']}): " + (",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())) or "no labels"),
+              markup=False)  # fmt: skip
 
 
 @spec_app.command("put")
@@ -660,7 +705,7 @@ def spec_put(name: str, file: Annotated[str, typer.Argument(help="a YAML or JSON
     body = _read_spec(file)
     _validate(body)
     r = Client(server).put_spec(name, body)
-    out.print(f"spec {r['name']} is at revision {r['revision']}")
+    out.print(f"spec {r['name']} is at revision {r['revision']}", markup=False)
 
 
 @spec_app.command("show")
@@ -676,7 +721,7 @@ def spec_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
     if json_out:
         print(json.dumps(rows, indent=2))
         return
-    t = Table(box=None)
+    t = _Table(box=None)
     for col in ("NAME", "REVISION", "CREATED", "COMMAND"):
         t.add_column(col)
     for r in rows:
@@ -711,7 +756,7 @@ def token_create(
     if role not in ("admin", "operator", "viewer", "join"):
         raise CliError(f"--role must be admin, operator, viewer or join, not {role!r}")
     r = Client(server).create_token(name, role)
-    err.print(f"token {r['id']} ({r['role']}) created; it is shown only now:")
+    err.print(f"token {r['id']} ({r['role']}) created; it is shown only now:", markup=False)
     print(r["token"])
 
 
@@ -722,7 +767,7 @@ def token_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
     if json_out:
         print(json.dumps(rows, indent=2))
         return
-    t = Table(box=None)
+    t = _Table(box=None)
     for col in ("ID", "NAME", "ROLE", "CREATED", "BY", "REVOKED"):
         t.add_column(col)
     for r in rows:
@@ -735,7 +780,7 @@ def token_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
 def token_revoke(token_id: str, server: ServerOpt = None) -> None:
     """Revoke a token; it stops working at once."""
     r = Client(server).revoke_token(token_id)
-    out.print(f"token {r['id']} ({r['name']}) revoked")
+    out.print(f"token {r['id']} ({r['name']}) revoked", markup=False)
 
 
 @secret_app.command("set")
@@ -761,7 +806,7 @@ def secret_set(
     if not value:
         raise CliError("the secret value is empty")
     r = Client(server).set_secret(name, value)
-    out.print(f"secret {r['name']} is at version {r['version']}")
+    out.print(f"secret {r['name']} is at version {r['version']}", markup=False)
 
 
 @secret_app.command("ls")
@@ -771,7 +816,7 @@ def secret_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
     if json_out:
         print(json.dumps(rows, indent=2))
         return
-    t = Table(box=None)
+    t = _Table(box=None)
     for col in ("NAME", "VERSION", "UPDATED", "BY"):
         t.add_column(col)
     for r in rows:
@@ -783,7 +828,7 @@ def secret_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
 def secret_rm(name: str, server: ServerOpt = None) -> None:
     """Delete a secret."""
     Client(server).delete_secret(name)
-    out.print(f"secret {name} deleted")
+    out.print(f"secret {name} deleted", markup=False)
 
 
 @registry_app.command("login")
@@ -803,29 +848,37 @@ def registry_login(
     if not password:
         raise CliError("the password is empty")
     Client(server).registry_login(host, username, password)
-    out.print(f"login for {host} stored")
+    out.print(f"login for {host} stored", markup=False)
 
 
 @app.command()
 def revoke(node: str, server: ServerOpt = None) -> None:
     """Remove a node from the fleet for good: its stream is closed and it can never rejoin."""
     n = Client(server).revoke_node(node)
-    out.print(f"node {n['name']} ({n['id']}) removed")
+    out.print(f"node {n['name']} ({n['id']}) removed", markup=False)
 
 
 @app.command()
-def audit(limit: Annotated[int, typer.Option(min=1, max=10000)] = 50, server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+def audit(
+    limit: Annotated[int, typer.Option(min=1, help="show this many (any number: the CLI pages through them)")] = 50,
+    all_: Annotated[bool, typer.Option("--all", help="show the whole log")] = False,
+    server: ServerOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
     """Who did what, newest first (admin)."""
-    rows = Client(server).audit(limit)
+    listing = Client(server).audit(None if all_ else limit)
+    rows = listing.rows
     if json_out:
         print(json.dumps(rows, indent=2))
+        _more(listing, json_out)
         return
-    t = Table(box=None)
+    t = _Table(box=None)
     for col in ("AT", "ACTOR", "ACTION", "TARGET"):
         t.add_column(col)
     for r in rows:
         t.add_row(r["at"][:19].replace("T", " "), r["actor"], r["action"], r["target"] or "")
     out.print(t)
+    _more(listing, json_out)
 
 
 def _read_spec(file: str) -> dict[str, Any]:
@@ -836,19 +889,60 @@ def _read_spec(file: str) -> dict[str, Any]:
     try:
         body = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise CliError(f"{file} is not valid YAML or JSON: {e}") from None
+        raise CliError(f"{file} is not valid YAML or JSON: {_yaml_problem(e)}") from None
     if not isinstance(body, dict):
         raise CliError(f"{file} must hold a mapping of spec fields (command, resources, …)")
     return body
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """One line: where (line and column, counted from 1) and what, without PyYAML's excerpt lines."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or getattr(e, "context", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
+def _error(message: str) -> None:
+    """`error: …` on stderr: the message is server or user text, shown as it is, never as markup."""
+    err.print(Text.assemble(("error:", "red"), " ", message), highlight=False)
+
+
 def main() -> None:
+    try:
+        _main()
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the last word: even printing an error must not end in a traceback
+        if os.environ.get("PODIUM_DEBUG") == "1":
+            raise
+        sys.stderr.write(f"error: {type(e).__name__}: {e} (PODIUM_DEBUG=1 shows the traceback)\n")
+        sys.exit(1)
+
+
+def _is_usage_error(e: Exception) -> bool:
+    """Click's usage errors, or those of the copy of click that Typer carries: they print themselves."""
+    import click
+
+    kinds: list[type[Exception]] = [click.ClickException]
+    try:
+        from typer._click.exceptions import ClickException as TyperClickException
+
+        kinds.append(TyperClickException)
+    except ImportError:  # a Typer that uses click itself
+        pass
+    return isinstance(e, tuple(kinds))
+
+
+def _main() -> None:
+    """Every way a command can end, as one line and an exit code; PODIUM_DEBUG=1 keeps tracebacks."""
+    debug = os.environ.get("PODIUM_DEBUG") == "1"
     try:
         rc = app(standalone_mode=False)
         # with standalone_mode off, click hands back typer.Exit's code instead of exiting
         sys.exit(rc if isinstance(rc, int) else 0)
     except CliError as e:
-        err.print(f"[red]error:[/] {e}", highlight=False)
+        _error(str(e))
         sys.exit(e.code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -857,10 +951,10 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(EXIT_CANCELLED)
     except Exception as e:  # click's usage errors and anything unforeseen: one line, no traceback
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        err.print(f"[red]error:[/] {type(e).__name__}: {e}", highlight=False)
+        if _is_usage_error(e):
+            e.show()  # type: ignore[attr-defined]
+            sys.exit(e.exit_code)  # type: ignore[attr-defined]
+        if debug:
+            raise
+        _error(f"{type(e).__name__}: {e} (PODIUM_DEBUG=1 shows the traceback)")
         sys.exit(1)

@@ -15,18 +15,24 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import asyncpg
 
 from podium import reasons
-from podium.errors import Conflict, NotFound, StoreUnavailable
+from podium.errors import Ambiguous, Conflict, NotFound, StoreUnavailable
 from podium.spec import TaskSpec
 from podium.states import AttemptState, TaskState, is_allowed
 from podium.store.migrate import migrate
 from podium.store.queries import queries
 
 log = logging.getLogger(__name__)
+
+# Before the first task in the newest-first order: the first page's keyset cursor.
+_TASKS_START = (datetime.max.replace(tzinfo=timezone.utc), uuid.UUID(int=(1 << 128) - 1))
+# How many candidates an ambiguous prefix names.
+CANDIDATES = 10
 
 # Errors that mean "the database went away or the connection was killed": nothing was written.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -377,10 +383,61 @@ class Store:
         return {r["task_id"]: (r["node_id"], r["node_name"]) for r in rows}
 
     async def list_tasks(
-        self, *, state: str | None = None, node_id: str | None = None, name: str | None = None, limit: int = 100
+        self,
+        *,
+        state: str | None = None,
+        node_id: str | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        after: tuple[datetime, uuid.UUID] | None = None,
     ) -> list[asyncpg.Record]:
+        """One page of tasks, newest first (created_at, id descending), strictly after the keyset
+        cursor `after` (the last row of the page before)."""
+        at, tid = after or _TASKS_START
         async with self._conn() as conn:
-            return await conn.fetch(self.q["list_tasks"], state, node_id, name, limit)
+            if state is not None and node_id is None and name is None:
+                return await conn.fetch(self.q["list_tasks_in_state"], state, at, tid, limit)
+            return await conn.fetch(self.q["list_tasks"], state, node_id, name, at, tid, limit)
+
+    async def count_tasks_after(
+        self,
+        *,
+        state: str | None = None,
+        node_id: str | None = None,
+        name: str | None = None,
+        after: tuple[datetime, uuid.UUID] | None = None,
+        cap: int = 10_000,
+    ) -> int:
+        """How many tasks follow the cursor, counted up to `cap` (a bounded scan, whatever the table holds)."""
+        at, tid = after or _TASKS_START
+        async with self._conn() as conn:
+            return int(await conn.fetchval(self.q["count_tasks_after"], state, node_id, name, at, tid, cap))
+
+    async def resolve_task(self, prefix: str) -> uuid.UUID:
+        """The one task whose id starts with these hex digits (dashes ignored): a range scan of the
+        primary key. NotFound if none, Ambiguous (naming some) if several."""
+        digits = prefix.replace("-", "").lower()
+        lo = uuid.UUID(digits.ljust(32, "0"))
+        hi = uuid.UUID(digits.ljust(32, "f"))
+        async with self._conn() as conn:
+            rows = await conn.fetch(self.q["tasks_by_prefix"], lo, hi, CANDIDATES + 1)
+        if not rows:
+            raise NotFound(f"no task id starts with {prefix!r}")
+        if len(rows) > 1:
+            ids = [str(r["id"]) for r in rows[:CANDIDATES]]
+            more = " and more" if len(rows) > CANDIDATES else ""
+            raise Ambiguous(
+                f"{prefix!r} is the start of more than one task id: {', '.join(ids)}{more}; type more of the id",
+                candidates=ids,
+            )
+        return rows[0]["id"]
+
+    async def task_events(self, task_id: uuid.UUID, after: int, limit: int) -> list[asyncpg.Record]:
+        """One page of a task's events in the order they happened, after event id `after`."""
+        async with self._conn() as conn:
+            if await conn.fetchrow(self.q["get_task"], task_id) is None:
+                raise NotFound(f"no task {task_id}")
+            return await conn.fetch(self.q["task_events_page"], task_id, after, limit)
 
     async def read_logs(self, task_id: uuid.UUID, after: int = 0, limit: int = 1000) -> list[asyncpg.Record]:
         async with self._conn() as conn:
@@ -559,12 +616,34 @@ class Store:
         async with self._conn() as conn:
             return await conn.fetch(self.q["list_nodes"])
 
+    async def list_nodes_page(self, *, limit: int, after: tuple[str, str] | None = None) -> list[asyncpg.Record]:
+        """One page of nodes by (name, id), strictly after the keyset cursor `after`."""
+        name, nid = after or (None, None)
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["list_nodes_page"], name, nid, limit)
+
+    async def count_nodes_after(self, *, after: tuple[str, str] | None = None, cap: int = 10_000) -> int:
+        name, nid = after or (None, None)
+        async with self._conn() as conn:
+            return int(await conn.fetchval(self.q["count_nodes_after"], name, nid, cap))
+
     async def get_node(self, ref: str) -> asyncpg.Record:
-        """A node by id or by name; a name two nodes share is refused."""
+        """A node by id or by name, else by the start of one (as git takes a commit's); a name two
+        nodes share, or a prefix several start with, is refused naming them."""
         async with self._conn() as conn:
             rows = await conn.fetch(self.q["get_node"], ref)
+            if not rows:
+                rows = await conn.fetch(self.q["nodes_by_prefix"], ref, CANDIDATES + 1)
+                if len(rows) > 1:
+                    names = [f"{r['name']} ({r['id']})" for r in rows[:CANDIDATES]]
+                    more = " and more" if len(rows) > CANDIDATES else ""
+                    raise Ambiguous(
+                        f"{ref!r} is the start of more than one node's id or name: {', '.join(names)}{more}; "
+                        "type more of it",
+                        candidates=[r["id"] for r in rows[:CANDIDATES]],
+                    )
         if not rows:
-            raise NotFound(f"no node {ref!r}")
+            raise NotFound(f"no node {ref!r} (by id, name, or the start of either)")
         if len(rows) > 1 and rows[0]["id"] != ref:
             raise Conflict(f"more than one node is named {ref!r}; use its id")
         return rows[0]
@@ -600,10 +679,23 @@ class Store:
             return await conn.fetch(self.q["list_tokens"])
 
     async def revoke_token(self, token_id: str) -> asyncpg.Record:
+        """Revoke the active token with this id, or the one whose id starts with it."""
         async with self._conn() as conn:
             row = await conn.fetchrow(self.q["revoke_token"], token_id)
+            if row is None:
+                rows = await conn.fetch(self.q["tokens_by_prefix"], token_id, CANDIDATES + 1)
+                if len(rows) > 1:
+                    ids = [f"{r['id']} ({r['name']})" for r in rows[:CANDIDATES]]
+                    more = " and more" if len(rows) > CANDIDATES else ""
+                    raise Ambiguous(
+                        f"{token_id!r} is the start of more than one active token id: {', '.join(ids)}{more}; "
+                        "type more of it",
+                        candidates=[r["id"] for r in rows[:CANDIDATES]],
+                    )
+                if rows:
+                    row = await conn.fetchrow(self.q["revoke_token"], rows[0]["id"])
         if row is None:
-            raise NotFound(f"no active token {token_id!r}")
+            raise NotFound(f"no active token {token_id!r} (by id or the start of one)")
         return row
 
     async def active_tokens(self, role: str) -> int:
@@ -631,9 +723,14 @@ class Store:
         async with self._conn() as conn:
             await conn.execute(self.q["audit"], actor, action, target, detail or {})
 
-    async def read_audit(self, limit: int) -> list[asyncpg.Record]:
+    async def read_audit(self, limit: int, before: int | None = None) -> list[asyncpg.Record]:
+        """One page of the audit log, newest first, of entries older than entry `before`."""
         async with self._conn() as conn:
-            return await conn.fetch(self.q["read_audit"], limit)
+            return await conn.fetch(self.q["read_audit"], limit, before)
+
+    async def count_audit_after(self, before: int | None = None, cap: int = 10_000) -> int:
+        async with self._conn() as conn:
+            return int(await conn.fetchval(self.q["count_audit_after"], cap, before))
 
     async def node_credential(self, node_id: str) -> asyncpg.Record | None:
         async with self._conn() as conn:

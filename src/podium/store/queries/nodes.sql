@@ -93,6 +93,22 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())
 -- list_nodes --
 SELECT * FROM nodes ORDER BY name, id
 
+-- list_nodes_page --
+-- One page of nodes by (name, id) after the cursor ($1, $2); the first page passes NULLs.
+SELECT * FROM nodes
+WHERE $1::text IS NULL OR (name, id) > ($1::text, $2::text)
+ORDER BY name, id
+LIMIT $3
+
+-- count_nodes_after --
+SELECT count(*) FROM (
+  SELECT 1 FROM nodes WHERE $1::text IS NULL OR (name, id) > ($1::text, $2::text) LIMIT $3
+) x
+
+-- nodes_by_prefix --
+-- Nodes whose id or name starts with $1, when no node has it as its whole id or name.
+SELECT * FROM nodes WHERE starts_with(id, $1) OR starts_with(name, $1) ORDER BY name, id LIMIT $2
+
 -- get_node --
 SELECT * FROM nodes WHERE id = $1 OR name = $1 ORDER BY (id = $1) DESC LIMIT 2
 

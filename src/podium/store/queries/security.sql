@@ -34,7 +34,15 @@ SELECT name, nonce, ciphertext FROM secrets WHERE name = ANY($1::text[])
 INSERT INTO audit_log (actor, action, target, detail) VALUES ($1, $2, $3, $4)
 
 -- read_audit --
-SELECT * FROM audit_log ORDER BY id DESC LIMIT $1
+-- One page of the audit log, newest first, before entry $2 (the first page passes NULL).
+SELECT * FROM audit_log WHERE $2::bigint IS NULL OR id < $2 ORDER BY id DESC LIMIT $1
+
+-- count_audit_after --
+SELECT count(*) FROM (SELECT 1 FROM audit_log WHERE $2::bigint IS NULL OR id < $2 LIMIT $1) x
+
+-- tokens_by_prefix --
+SELECT id, name, role, created_at, created_by, revoked_at FROM api_tokens
+WHERE starts_with(id, $1) AND revoked_at IS NULL ORDER BY id LIMIT $2
 
 -- node_credential --
 SELECT id, credential_hash, revoked_at FROM nodes WHERE id = $1

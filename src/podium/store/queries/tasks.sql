@@ -284,12 +284,41 @@ ORDER BY a.task_id, a.attempt DESC
 SELECT * FROM task_events WHERE task_id = $1 ORDER BY id
 
 -- list_tasks --
+-- One page of tasks, newest first, after the cursor ($4, $5): the first page passes
+-- ('infinity', the largest uuid), so the keyset condition is always an index condition.
 SELECT * FROM tasks
-WHERE ($1::text IS NULL OR state = $1)
+WHERE (created_at, id) < ($4::timestamptz, $5::uuid)
+  AND ($1::text IS NULL OR state = $1)
   AND ($2::text IS NULL OR node_id = $2)
   AND ($3::text IS NULL OR name = $3)
 ORDER BY created_at DESC, id DESC
+LIMIT $6
+
+-- list_tasks_in_state --
+-- The same page for one state, with no other filter: an index range scan of tasks_state_page.
+SELECT * FROM tasks
+WHERE state = $1 AND (created_at, id) < ($2::timestamptz, $3::uuid)
+ORDER BY created_at DESC, id DESC
 LIMIT $4
+
+-- count_tasks_after --
+-- How many tasks follow the cursor, counted up to $6: a bounded index scan, never the whole table.
+SELECT count(*) FROM (
+  SELECT 1 FROM tasks
+  WHERE (created_at, id) < ($4::timestamptz, $5::uuid)
+    AND ($1::text IS NULL OR state = $1)
+    AND ($2::text IS NULL OR node_id = $2)
+    AND ($3::text IS NULL OR name = $3)
+  LIMIT $6
+) x
+
+-- tasks_by_prefix --
+-- Tasks whose id lies in [$1, $2] (every uuid that starts with a typed prefix): a range scan of the
+-- primary key, at most $3 of them.
+SELECT id FROM tasks WHERE id BETWEEN $1 AND $2 ORDER BY id LIMIT $3
+
+-- task_events_page --
+SELECT * FROM task_events WHERE task_id = $1 AND id > $2 ORDER BY id LIMIT $3
 
 -- insert_logs --
 -- Log chunks from any number of nodes in one statement, each kept only if its node was given that
