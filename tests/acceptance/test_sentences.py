@@ -86,7 +86,7 @@ def test_an_ended_task_names_the_node_its_last_attempt_ran_on(cluster: Cluster) 
     shown = cli(srv.api, "show", tid, extra_env=WIDE)
     assert shown.returncode == 0, shown.stderr
     assert f"ran on:   a ({node_id})" in shown.stdout, shown.stdout
-    ls = cli(srv.api, "ls", extra_env=WIDE)
+    ls = cli(srv.api, "ls", "--wide", extra_env=WIDE)
     assert ls.returncode == 0, ls.stderr
     row = _row(ls.stdout, tid)
     assert "succeeded" in row and node_id in row, row
