@@ -101,7 +101,11 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self.server_id = server_id
         self.sessions: dict[str, Session] = {}
         self._beats: dict[str, tuple[int, int]] = {}  # node → (session, latest heartbeat seq)
-        self._logs: dict[str, list[tuple[uuid.UUID, int, str, int, bytes]]] = {}
+        # node → (task, token, stream, seq, offset, data) chunks received and not yet stored, in arrival order
+        self._logs: dict[str, list[tuple[uuid.UUID, int, str, int, int, bytes]]] = {}
+        # One flush at a time: a chunk put back after a failed flush is stored (and acknowledged)
+        # before any that came after it, and a flush that returns has stored all received before it.
+        self._flush_lock = asyncio.Lock()
         self._listen_conn = None
         self.events_rejected = 0
         # sessions with reports waiting, in the order they are served (round robin)
@@ -161,6 +165,10 @@ class Gateway(pb_grpc.AgentGatewayServicer):
 
     async def flush_logs(self) -> None:
         """Store the log chunks of every node received since the last flush, in one statement."""
+        async with self._flush_lock:
+            await self._flush_logs()
+
+    async def _flush_logs(self) -> None:
         pending, self._logs = self._logs, {}
         if not pending:
             return
@@ -177,7 +185,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             if s is None:
                 continue
             upto: dict[tuple[uuid.UUID, int, str], int] = {}
-            for tid, token, stream, seq, _data in chunks:
+            for tid, token, stream, seq, _offset, _data in chunks:
                 key = (tid, token, stream)
                 upto[key] = max(upto.get(key, -1), seq)
             for (tid, token, stream), seq in upto.items():
@@ -386,7 +394,12 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                         tid = uuid.UUID(lc.task_id)
                     except ValueError:
                         continue
-                    self._logs.setdefault(s.node_id, []).append((tid, lc.fencing_token, lc.stream, lc.seq, lc.data))
+                    if lc.stream not in ("stdout", "stderr") or lc.seq < 0 or lc.offset < 0:
+                        # the table refuses it, and with it the whole flush of every node's output
+                        log.warning("node %s sent a malformed log chunk for task %s; dropped", s.node_id, tid)
+                        continue
+                    self._logs.setdefault(s.node_id, []).append(
+                        (tid, lc.fencing_token, lc.stream, lc.seq, lc.offset, lc.data))  # fmt: skip
                 elif kind == "hello":
                     log.warning("node %s sent a second Hello; ignored", s.node_id)
         except StoreUnavailable as e:
