@@ -74,7 +74,9 @@ class Attempt:
     phase: str = "provisioning"
     run: ProcessRun | None = None
     final: pb.TaskEvent | None = None  # kept until a server acknowledges it
-    seq: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+    # the next chunk's seq (over both streams: the order output was read here) and each stream's next byte offset
+    seq: int = 0
+    offset: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     cancel_requested: bool = False
     runner: asyncio.Task | None = None
     # set when the server has recorded "provisioning" (or the attempt is cancelled): before that, the
@@ -395,9 +397,12 @@ class Agent:
     async def _emit(self, a: Attempt, stream: str, data: bytes) -> None:
         if not data:
             return
-        seq = a.seq[stream]
-        a.seq[stream] = seq + 1
-        chunk = pb.LogChunk(task_id=a.task_id, fencing_token=a.token, stream=stream, seq=seq, data=data)
+        # Numbered here, synchronously, in the order the pumps handed output over: the order a reader
+        # sees, whatever order chunks reach or are stored by a server.
+        seq, offset = a.seq, a.offset[stream]
+        a.seq = seq + 1
+        a.offset[stream] = offset + len(data)
+        chunk = pb.LogChunk(task_id=a.task_id, fencing_token=a.token, stream=stream, seq=seq, offset=offset, data=data)
         a.unacked.append(chunk)
         a.unacked_bytes += len(data)
         while a.unacked_bytes > MAX_UNACKED_LOG_BYTES and a.unacked:

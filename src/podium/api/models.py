@@ -76,16 +76,34 @@ class SubmitResponse(BaseModel):
 
 
 class LogChunkOut(BaseModel):
-    id: int
+    """One piece of a task's output. `GET /v1/tasks/{id}/logs` returns chunks in the order the
+    output was written (attempt by attempt; within one, in the order the node read its stdout and
+    stderr), each stored once however often its node sent it.
+
+    Checking and resuming: `offset` is the byte offset of this chunk within its attempt's stream and
+    `length` its size in bytes, so per (attempt, stream) each chunk starts where the one before it
+    ended (a gap means the node had to drop output it could not deliver). Resume after a chunk with
+    `?cursor=<its cursor>`, or a stream at a byte with `?stream=stdout&offset=N` (of the task's latest
+    attempt unless `attempt` is given; a chunk holding byte N comes back cut to start at N)."""
+
+    id: int = Field(description="the chunk's row id; `?after=<id>` resumes after it (the first API's cursor)")
     attempt: int
     fencing_token: int
-    stream: str
-    data: str  # UTF-8 with invalid bytes replaced
+    stream: str = Field(description='"stdout" or "stderr"')
+    seq: int = Field(description="the chunk's place in its attempt's output, over both streams, from 0")
+    offset: int = Field(description="byte offset of `data` within this attempt's stream")
+    length: int = Field(description="size of `data` in bytes, before any encoding")
+    cursor: str = Field(description="pass as `?cursor=` to read what comes after this chunk")
+    data: str = Field(description="the bytes: UTF-8 with invalid bytes replaced, or base64 with `?encoding=base64`")
 
 
 class LogsOut(BaseModel):
+    """A page of a task's output. Follow it with `?cursor=<next_cursor>` (or `?after=<next_after>`)
+    until a page has no chunks; `terminal` says whether more can still come."""
+
     chunks: list[LogChunkOut]
-    next_after: int
+    next_after: int = Field(description="the id of the last chunk returned (or the `after` given)")
+    next_cursor: str | None = Field(description="the cursor of the last chunk returned (or the one given)")
     task_state: str
     terminal: bool
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import sys
@@ -158,16 +159,31 @@ class Client:
     def logs(self, task_id: str, after: int = 0) -> dict[str, Any]:
         return self._request("GET", f"/v1/tasks/{_q(task_id)}/logs", params={"after": after})
 
-    def follow(self, task_id: str, after: int = 0) -> Iterator[dict[str, Any]]:
-        """NDJSON lines of a task's output until it ends, reconnecting if the stream breaks."""
+    def output(self, task_id: str) -> Iterator[dict[str, Any]]:
+        """Every chunk of a task's output in the order it was written, each with its bytes as "raw"."""
+        seen = _Seen()
+        cursor: str | None = None
+        while True:
+            params: dict[str, Any] = {"encoding": "base64", **({"cursor": cursor} if cursor else {})}
+            page = self._request("GET", f"/v1/tasks/{_q(task_id)}/logs", params=params)
+            if not page["chunks"]:
+                return
+            for c in page["chunks"]:
+                if seen.admit(c):
+                    yield c
+            cursor = page["next_cursor"]
+
+    def follow(self, task_id: str, cursor: str | None = None) -> Iterator[dict[str, Any]]:
+        """NDJSON lines of a task's output until it ends, each chunk with its bytes as "raw";
+        reconnecting if the stream breaks, from just after the last chunk received."""
         import time
 
+        seen = _Seen()
         gave_up_at: float | None = None
         while True:
+            params = {"follow": "true", "encoding": "base64", **({"cursor": cursor} if cursor else {})}
             try:
-                with self.http.stream(
-                    "GET", f"/v1/tasks/{_q(task_id)}/logs", params={"after": after, "follow": "true"}, timeout=None
-                ) as r:
+                with self.http.stream("GET", f"/v1/tasks/{_q(task_id)}/logs", params=params, timeout=None) as r:
                     if r.status_code >= 400:
                         r.read()
                         try:
@@ -180,7 +196,9 @@ class Client:
                             continue
                         item = json.loads(line)
                         if "chunk" in item:
-                            after = item["chunk"]["id"]
+                            cursor = item["chunk"]["cursor"]
+                            if not seen.admit(item["chunk"]):
+                                continue
                         yield item
                         if "end" in item:
                             return
@@ -253,3 +271,22 @@ def _retry_after(r: httpx.Response) -> float:
         return float(r.headers.get("Retry-After", "1"))
     except ValueError:
         return 1.0
+
+
+class _Seen:
+    """Where a reader is in a task's output: the position (fencing token, seq, stream) of the last
+    chunk it printed. Chunks come in that order, so one at or before it is one it already has (a
+    guard for resuming after a lost stream). A chunk let through gets "raw" (its bytes) and "data"
+    (them as text)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, int, str] | None = None
+
+    def admit(self, c: dict[str, Any]) -> bool:
+        position = (c["fencing_token"], c["seq"], c["stream"])
+        if self.last is not None and position <= self.last:
+            return False
+        self.last = position
+        raw = base64.b64decode(c["data"])
+        c["raw"], c["data"] = raw, raw.decode("utf-8", errors="replace")
+        return True

@@ -429,16 +429,25 @@ def _split_env(pair: str) -> tuple[str, str]:
     return k, v
 
 
+def _write_output(c: dict[str, Any]) -> None:
+    """A chunk's bytes exactly as the task wrote them (no decoding), on the stream it wrote them to."""
+    f = sys.stdout if c["stream"] == "stdout" else sys.stderr
+    f.flush()
+    buf = getattr(f, "buffer", None)
+    if buf is None:
+        f.write(c["data"])
+    else:
+        buf.write(c["raw"])
+        buf.flush()
+
+
 def _attach(client: Client, tid: str) -> int:
     """Stream a task's output until it ends; Ctrl-C cancels it. Returns the exit code to use."""
     try:
         end: dict[str, Any] = {}
         for item in client.follow(tid):
             if "chunk" in item:
-                c = item["chunk"]
-                stream = sys.stdout if c["stream"] == "stdout" else sys.stderr
-                stream.write(c["data"])
-                stream.flush()
+                _write_output(item["chunk"])
             elif "end" in item:
                 end = item["end"]
     except KeyboardInterrupt:
@@ -597,17 +606,10 @@ def logs(
     if follow:
         for item in client.follow(task_id):
             if "chunk" in item:
-                c = item["chunk"]
-                (sys.stdout if c["stream"] == "stdout" else sys.stderr).write(c["data"])
+                _write_output(item["chunk"])
         return
-    after = 0
-    while True:
-        page = client.logs(task_id, after)
-        for c in page["chunks"]:
-            (sys.stdout if c["stream"] == "stdout" else sys.stderr).write(c["data"])
-        if not page["chunks"]:
-            return
-        after = page["next_after"]
+    for c in client.output(task_id):
+        _write_output(c)
 
 
 @app.command()

@@ -102,7 +102,11 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self.server_id = server_id
         self.sessions: dict[str, Session] = {}
         self._beats: dict[str, tuple[int, int]] = {}  # node → (session, latest heartbeat seq)
-        self._logs: dict[str, list[tuple[uuid.UUID, int, str, int, bytes]]] = {}
+        # node → (task, token, stream, seq, offset, data) chunks received and not yet stored, in arrival order
+        self._logs: dict[str, list[tuple[uuid.UUID, int, str, int, int, bytes]]] = {}
+        # One flush at a time: a chunk put back after a failed flush is stored (and acknowledged)
+        # before any that came after it, and a flush that returns has stored all received before it.
+        self._flush_lock = asyncio.Lock()
         self._listen_conn = None
         self.events_rejected = 0
         # sessions with reports waiting, in the order they are served (round robin)
@@ -160,29 +164,35 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             await asyncio.sleep(LOG_FLUSH_SECONDS)
             await self.flush_logs()
 
-    async def flush_logs(self) -> None:
-        """Store the log chunks of every node received since the last flush, in one statement."""
+    async def flush_logs(self) -> bool:
+        """Store the log chunks of every node received since the last flush, in one statement.
+        False if they could not be stored (they are kept, in order, for the next flush)."""
+        async with self._flush_lock:
+            return await self._flush_logs()
+
+    async def _flush_logs(self) -> bool:
         pending, self._logs = self._logs, {}
         if not pending:
-            return
+            return True
         try:
             await self.reports_store.insert_logs([(*c, node_id) for node_id, chunks in pending.items() for c in chunks])
         except StoreUnavailable as e:
             log.warning("logs from %d nodes not stored yet: %s", len(pending), e)
             for node_id, chunks in pending.items():
                 self._logs[node_id] = chunks + self._logs.get(node_id, [])
-            return
+            return False
         # stored: the nodes may forget them (until now each keeps them, to send again if we die)
         for node_id, chunks in pending.items():
             s = self.sessions.get(node_id)
             if s is None:
                 continue
             upto: dict[tuple[uuid.UUID, int, str], int] = {}
-            for tid, token, stream, seq, _data in chunks:
+            for tid, token, stream, seq, _offset, _data in chunks:
                 key = (tid, token, stream)
                 upto[key] = max(upto.get(key, -1), seq)
             for (tid, token, stream), seq in upto.items():
                 s.send(pb.ServerMessage(log_ack=pb.LogAck(task_id=str(tid), fencing_token=token, stream=stream, seq=seq)))
+        return True
 
     async def outbox_loop(self) -> None:
         """LISTEN for per-node wake-ups, and sweep every node with a pending outbox as a backstop."""
@@ -428,7 +438,12 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                         tid = uuid.UUID(lc.task_id)
                     except ValueError:
                         continue
-                    self._logs.setdefault(s.node_id, []).append((tid, lc.fencing_token, lc.stream, lc.seq, lc.data))
+                    if lc.stream not in ("stdout", "stderr") or lc.seq < 0 or lc.offset < 0:
+                        # the table refuses it, and with it the whole flush of every node's output
+                        log.warning("node %s sent a malformed log chunk for task %s; dropped", s.node_id, tid)
+                        continue
+                    self._logs.setdefault(s.node_id, []).append(
+                        (tid, lc.fencing_token, lc.stream, lc.seq, lc.offset, lc.data))  # fmt: skip
                 elif kind == "hello":
                     log.warning("node %s sent a second Hello; ignored", s.node_id)
         except StoreUnavailable as e:
@@ -615,8 +630,10 @@ class Gateway(pb_grpc.AgentGatewayServicer):
     async def _apply_batch(self, batch: list[tuple[Session, Pending]]) -> None:
         if any(p.final for _s, p in batch):
             # an attempt's output arrived before its end on the same stream: store it before the end
-            # becomes visible, so whoever follows the logs of an ended task has all of them
-            await self.flush_logs()
+            # becomes visible, so whoever follows the logs of an ended task has all of them (and the
+            # node, told its end is recorded, forgets no output that is not)
+            if not await self.flush_logs():
+                raise StoreUnavailable("the output sent before these ends is not stored yet")
         rows = await self.reports_store.task_facts_many([p.task_id for _s, p in batch])
         changes: list[Change] = []
         planned: list[tuple[Session, Pending]] = []

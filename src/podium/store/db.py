@@ -439,12 +439,32 @@ class Store:
                 raise NotFound(f"no task {task_id}")
             return await conn.fetch(self.q["task_events_page"], task_id, after, limit)
 
-    async def read_logs(self, task_id: uuid.UUID, after: int = 0, limit: int = 1000) -> list[asyncpg.Record]:
+    async def read_logs(
+        self,
+        task_id: uuid.UUID,
+        *,
+        after: tuple[int, int, str] | None = None,
+        stream: str | None = None,
+        attempt: int | None = None,
+        offset: int = 0,
+        limit: int = 1000,
+    ) -> list[asyncpg.Record]:
+        """A task's output in the order it was written, from just after the position `after`
+        (fencing token, seq, stream) of a chunk the reader has; `stream`/`attempt` narrow it, and
+        chunks ending at or before byte `offset` of their stream are left out."""
+        token, seq, name = after if after is not None else (-1, -1, "")
         async with self._conn() as conn:
-            return await conn.fetch(self.q["read_logs"], task_id, after, limit)
+            return await conn.fetch(self.q["read_logs"], task_id, token, seq, name, stream, attempt, offset, limit)
 
-    async def insert_logs(self, chunks: Sequence[tuple[uuid.UUID, int, str, int, bytes, str]]) -> None:
-        """(task, fencing token, stream, seq, data, node) chunks, from any nodes, in one statement."""
+    async def log_position(self, task_id: uuid.UUID, chunk_id: int) -> tuple[int, int, str] | None:
+        """(fencing token, seq, stream) of the task's chunk with this id, or None."""
+        async with self._conn() as conn:
+            row = await conn.fetchrow(self.q["log_position"], task_id, chunk_id)
+        return None if row is None else (row["fencing_token"], row["seq"], row["stream"])
+
+    async def insert_logs(self, chunks: Sequence[tuple[uuid.UUID, int, str, int, int, bytes, str]]) -> None:
+        """(task, fencing token, stream, seq, byte offset, data, node) chunks, from any nodes, in one
+        statement. Idempotent: a chunk stored before is left as it is."""
         if not chunks:
             return
         cols = list(zip(*chunks, strict=True))

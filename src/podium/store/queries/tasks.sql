@@ -322,20 +322,33 @@ SELECT * FROM task_events WHERE task_id = $1 AND id > $2 ORDER BY id LIMIT $3
 
 -- insert_logs --
 -- Log chunks from any number of nodes in one statement, each kept only if its node was given that
--- attempt.
-INSERT INTO log_chunks (task_id, fencing_token, stream, seq, data)
-SELECT d.task_id, d.token, d.stream, d.seq, d.data
-FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::bigint[], $5::bytea[], $6::text[])
-     AS d(task_id, token, stream, seq, data, node_id)
+-- attempt. A chunk stored already (a node sends again what no server acknowledged) is left as it is.
+-- Readers order by (fencing_token, seq), which the agent set; the join's row order (a hash join
+-- emits them reversed) and so `id` say nothing about it.
+INSERT INTO log_chunks (task_id, fencing_token, stream, seq, byte_offset, data)
+SELECT d.task_id, d.token, d.stream, d.seq, d.byte_offset, d.data
+FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::bigint[], $5::bigint[], $6::bytea[], $7::text[])
+     AS d(task_id, token, stream, seq, byte_offset, data, node_id)
 JOIN attempts a ON a.task_id = d.task_id AND a.fencing_token = d.token AND a.node_id = d.node_id
 ON CONFLICT DO NOTHING
 
 -- read_logs --
-SELECT l.id, l.fencing_token, a.attempt, l.stream, l.data, l.at
-FROM log_chunks l JOIN attempts a ON a.fencing_token = l.fencing_token
-WHERE l.task_id = $1 AND l.id > $2
-ORDER BY l.id
-LIMIT $3
+-- A task's output in the order it was written: attempt after attempt, then the agent's seq (both
+-- streams, in the order the agent read them), from just after the position ($2, $3, $4); stream ($5)
+-- and attempt ($6) narrow it, and chunks that end at or before byte $7 of their stream are skipped.
+SELECT l.id, l.fencing_token, a.attempt, l.stream, l.seq, l.byte_offset, l.data, l.at
+FROM log_chunks l JOIN attempts a ON a.task_id = l.task_id AND a.fencing_token = l.fencing_token
+WHERE l.task_id = $1
+  AND (l.fencing_token, l.seq, l.stream) > ($2::bigint, $3::bigint, $4::text)
+  AND ($5::text IS NULL OR l.stream = $5)
+  AND ($6::int IS NULL OR a.attempt = $6)
+  AND l.byte_offset + length(l.data) > $7
+ORDER BY l.fencing_token, l.seq, l.stream
+LIMIT $8
+
+-- log_position --
+-- Where chunk `id` of a task is in its output: what `after=<id>` (the first API's cursor) resumes from.
+SELECT fencing_token, seq, stream FROM log_chunks WHERE task_id = $1 AND id = $2
 
 -- watch_overdue_accept --
 SELECT id, state, fencing_token, attempts, max_attempts FROM tasks

@@ -121,18 +121,20 @@ class TaskEvent(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., kind: _Optional[_Union[TaskEvent.Kind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class LogChunk(_message.Message):
-    __slots__ = ("task_id", "fencing_token", "stream", "seq", "data")
+    __slots__ = ("task_id", "fencing_token", "stream", "seq", "data", "offset")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     fencing_token: int
     stream: str
     seq: int
     data: bytes
-    def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., stream: _Optional[str] = ..., seq: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    offset: int
+    def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., stream: _Optional[str] = ..., seq: _Optional[int] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("welcome", "assign", "cancel", "ack", "drain", "heartbeat_ack", "accepted", "log_ack")

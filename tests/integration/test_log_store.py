@@ -1,0 +1,118 @@
+"""Log chunks in the store, against real PostgreSQL (embedded and 15): read back in the order the
+agent numbered them whatever order they were inserted in, stored once however often sent, resumable
+from a position or a byte offset."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+
+import asyncpg
+import pytest
+
+from podium.store import Store
+from podium.store.migrate import migration_files
+from tests.conftest import PgServer, _with_db
+from tests.integration.helpers import add_node, place, submit
+
+
+async def placed(store: Store) -> tuple[uuid.UUID, int]:
+    await add_node(store, slots=64, cpu=64_000, memory=64 * 2**30)
+    # other attempts in the table, so the insert's join is planned as on a real fleet
+    for _ in range(30):
+        await submit(store)
+    tid = await submit(store)
+    out = await place(store)
+    token = next(tok for t, _n, tok in out.assigned if t == tid)
+    return tid, token
+
+
+def chunk(tid: uuid.UUID, token: int, seq: int, stream: str, offset: int, data: bytes) -> tuple:
+    return (tid, token, stream, seq, offset, data, "n1")
+
+
+async def test_chunks_read_back_in_seq_order_once_each(store: Store) -> None:
+    tid, token = await placed(store)
+    lines = [(f"out{i}\n".encode(), f"err{i}\n".encode()) for i in range(50)]
+    chunks, offsets, seq = [], {"stdout": 0, "stderr": 0}, 0
+    for out, err in lines:
+        for stream, data in (("stdout", out), ("stderr", err)):
+            chunks.append(chunk(tid, token, seq, stream, offsets[stream], data))
+            offsets[stream] += len(data)
+            seq += 1
+    # stored in batches, each of them repeated (a node sends again what no server acknowledged),
+    # the second half before the first
+    await store.insert_logs(chunks[50:])
+    await store.insert_logs(chunks[:60])
+    await store.insert_logs(chunks)
+    rows = await store.read_logs(tid, limit=1000)
+    assert [r["seq"] for r in rows] == list(range(100))
+    assert [bytes(r["data"]) for r in rows] == [c[5] for c in chunks]
+    assert [r["byte_offset"] for r in rows] == [c[4] for c in chunks]
+
+    # from a position: exactly what follows it
+    last = rows[41]
+    rest = await store.read_logs(tid, after=(last["fencing_token"], last["seq"], last["stream"]), limit=1000)
+    assert [r["seq"] for r in rest] == list(range(42, 100))
+    # one stream from a byte: the chunks that hold it and what follows
+    err = await store.read_logs(tid, stream="stderr", offset=13, limit=1000)
+    assert err[0]["byte_offset"] <= 13 < err[0]["byte_offset"] + len(err[0]["data"])
+    assert b"".join(bytes(r["data"]) for r in err)[13 - err[0]["byte_offset"] :] == b"".join(e for _o, e in lines)[13:]
+    # the first API's cursor: a chunk's id names its position
+    pos = await store.log_position(tid, rows[10]["id"])
+    assert pos == (token, 10, rows[10]["stream"])
+    assert await store.log_position(tid, 10**12) is None
+
+
+async def test_chunks_of_an_attempt_not_on_that_node_are_not_stored(store: Store) -> None:
+    tid, token = await placed(store)
+    await store.insert_logs([(tid, token, "stdout", 0, 0, b"mine\n", "n1"), (tid, token, "stdout", 1, 5, b"not\n", "n2")])
+    assert [bytes(r["data"]) for r in await store.read_logs(tid)] == [b"mine\n"]
+
+
+@pytest.fixture
+def unmigrated_url(pg: PgServer) -> Iterator[str]:
+    """An empty database on either server: migrations are applied by the test itself."""
+    name = f"podium_t_{uuid.uuid4().hex[:12]}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(pg.admin_url)
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+
+    asyncio.run(create())
+    url = _with_db(pg.admin_url, name)
+    yield url
+    pg.drop_database(url)
+
+
+async def test_output_stored_before_offsets_keeps_its_bytes_and_order_within_each_stream(unmigrated_url: str) -> None:
+    conn = await asyncpg.connect(unmigrated_url)
+    try:
+        await conn.execute("CREATE TABLE schema_migrations (version int PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())")
+        for version, name, sql in migration_files():
+            if version < 6:
+                await conn.execute(sql)
+                await conn.execute("INSERT INTO schema_migrations (version, name) VALUES ($1, $2)", version, name)
+    finally:
+        await conn.close()
+    store = await Store.connect(unmigrated_url, min_size=1, max_size=2)
+    try:
+        tid, token = await placed(store)
+        # as the previous version stored them: seq per stream, two flushes
+        async with store.pool.acquire() as c:
+            await c.executemany(
+                "INSERT INTO log_chunks (task_id, fencing_token, stream, seq, data, at) VALUES ($1, $2, $3, $4, $5, $6::text::timestamptz)",
+                [(tid, token, "stdout", 1, b"o2\n", "2026-01-01T00:00:01Z"), (tid, token, "stdout", 0, b"o1\n", "2026-01-01T00:00:00Z"),
+                 (tid, token, "stderr", 0, b"e1\n", "2026-01-01T00:00:00Z"), (tid, token, "stderr", 1, b"e2\n", "2026-01-01T00:00:01Z")],
+            )  # fmt: skip
+        assert "0006_log_offsets.sql" in await store.migrate()
+        rows = await store.read_logs(tid)
+        assert [r["seq"] for r in rows] == [0, 1, 2, 3]
+        assert [(r["stream"], bytes(r["data"]), r["byte_offset"]) for r in rows] == [
+            ("stderr", b"e1\n", 0), ("stdout", b"o1\n", 0), ("stderr", b"e2\n", 3), ("stdout", b"o2\n", 3)]  # fmt: skip
+    finally:
+        await store.close()
