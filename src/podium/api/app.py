@@ -333,7 +333,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         if offset is not None and stream is None:
             raise InvalidRequest("offset is a byte of one stream: give stream=stdout or stream=stderr with it")
         if cursor is not None:
-            position: tuple[int, int, str] | None = _parse_cursor(cursor)
+            position: tuple[int, int, str] | None = _parse_log_cursor(cursor)
         elif after:
             position = await store.log_position(tid, after)
             if position is None:
@@ -348,7 +348,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
             return LogsOut(
                 chunks=[read.chunk(r) for r in rows],
                 next_after=rows[-1]["id"] if rows else after,
-                next_cursor=_cursor(read.position) if read.position else None,
+                next_cursor=_log_cursor(read.position) if read.position else None,
                 task_state=task["state"],
                 terminal=TaskState(task["state"]) in TERMINAL,
             )
@@ -538,11 +538,11 @@ BIGINT_MAX = 2**63 - 1
 _CURSOR = re.compile(r"^(\d{1,19})\.(\d{1,19})\.(stdout|stderr)$")
 
 
-def _cursor(position: tuple[int, int, str]) -> str:
+def _log_cursor(position: tuple[int, int, str]) -> str:
     return "{}.{}.{}".format(*position)
 
 
-def _parse_cursor(text: str) -> tuple[int, int, str]:
+def _parse_log_cursor(text: str) -> tuple[int, int, str]:
     m = _CURSOR.match(text)
     if m is None or int(m[1]) > BIGINT_MAX or int(m[2]) > BIGINT_MAX:
         raise InvalidRequest(f"cursor {text!r} is not one this server gave; use a chunk's cursor or next_cursor as returned")
@@ -576,7 +576,7 @@ class _LogRead:
             data, offset = data[self.offset - offset :], self.offset
         return LogChunkOut(
             id=r["id"], attempt=r["attempt"], fencing_token=r["fencing_token"], stream=r["stream"], seq=r["seq"],
-            offset=offset, length=len(data), cursor=_cursor((r["fencing_token"], r["seq"], r["stream"])),
+            offset=offset, length=len(data), cursor=_log_cursor((r["fencing_token"], r["seq"], r["stream"])),
             data=base64.b64encode(data).decode() if self.encoding == "base64" else data.decode("utf-8", errors="replace"),
         )  # fmt: skip
 
