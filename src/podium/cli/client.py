@@ -203,6 +203,9 @@ class Client:
     def nodes(self) -> list[dict[str, Any]]:
         return self._request("GET", "/v1/nodes")
 
+    def node_events(self, node: str, after: int = 0) -> list[dict[str, Any]]:
+        return self._request("GET", f"/v1/nodes/{node}/events", params={"after": after})
+
     def drain(self, node: str, draining: bool) -> dict[str, Any]:
         return self._request("POST", f"/v1/nodes/{node}/{'drain' if draining else 'undrain'}")
 
