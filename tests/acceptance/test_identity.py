@@ -171,11 +171,11 @@ def test_a_frozen_old_agent_is_fenced_by_its_deadline_before_its_task_runs_again
         done = cluster.api.wait_state(tid, ("succeeded", "failed", "lost"), 90)
     finally:
         a.signal(signal.SIGCONT)
-    assert done["attempt_list"][0]["reason"] == reasons.INSTANCE_REPLACED, done
-    assert done["state"] == "succeeded", done
     # the second run started only after the first was fenced
     assert_at_most_one_attempt_at_once([a, b])
     assert len(assert_runs_never_overlap(gt)) == 2
+    assert done["attempt_list"][0]["reason"] == reasons.INSTANCE_REPLACED, done
+    assert done["state"] == "succeeded", done
     # woken, the old instance learns it was superseded (on its stream or when it says Hello again)
     # and leaves instead of taking the node back
     assert a.p is not None
