@@ -96,8 +96,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self.beats_store = beats_store or store
         self.reports_store = reports_store or store
         self.security = security
-        self._revoked_conn = None
-        self._superseded_conn = None
+        self._revoked_conn = None  # also hears podium_superseded
         self.scheduler = scheduler
         self.timing = timing
         self.server_id = server_id
@@ -196,9 +195,9 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 if self._listen_conn is None or self._listen_conn.is_closed():
                     self._listen_conn = await self.store.listen("podium_node", self._on_node_notify)
                 if self._revoked_conn is None or self._revoked_conn.is_closed():
-                    self._revoked_conn = await self.store.listen("podium_revoked", self._on_revoked)
-                if self._superseded_conn is None or self._superseded_conn.is_closed():
-                    self._superseded_conn = await self.store.listen("podium_superseded", self._on_superseded)
+                    self._revoked_conn = await self.store.listen(
+                        "podium_revoked", self._on_revoked, also={"podium_superseded": self._on_superseded}
+                    )
                 for node_id in await self.store.nodes_with_outbox():
                     self._schedule_sync(node_id)
             except (StoreUnavailable, OSError) as e:
@@ -209,7 +208,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
     async def close(self) -> None:
         for s in list(self.sessions.values()):
             s.close()
-        for conn in (self._listen_conn, self._revoked_conn, self._superseded_conn):
+        for conn in (self._listen_conn, self._revoked_conn):
             if conn is not None and not conn.is_closed():
                 await conn.close()
         await self.flush_logs()

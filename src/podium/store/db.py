@@ -175,11 +175,15 @@ class Store:
         except TRANSIENT_ERRORS as e:
             raise StoreUnavailable(f"the database refused a conflicting write ({e}); nothing was written") from e
 
-    async def listen(self, channel: str, callback: Callable[[str], None]) -> asyncpg.Connection:
-        """A dedicated connection LISTENing on `channel`. The caller owns it and closes it."""
+    async def listen(
+        self, channel: str, callback: Callable[[str], None], also: dict[str, Callable[[str], None]] | None = None
+    ) -> asyncpg.Connection:
+        """A dedicated connection LISTENing on `channel` (and on every channel in `also`, each with its
+        own callback: one connection, not one per channel). The caller owns it and closes it."""
         try:
             conn = await asyncpg.connect(self.dsn)
-            await conn.add_listener(channel, lambda _c, _pid, _ch, payload: callback(payload))
+            for ch, cb in {channel: callback, **(also or {})}.items():
+                await conn.add_listener(ch, lambda _c, _pid, _ch, payload, cb=cb: cb(payload))
         except CONNECTION_ERRORS as e:
             raise StoreUnavailable(f"cannot LISTEN on {channel}: {e}") from e
         return conn
