@@ -47,10 +47,10 @@ def assert_runs_never_overlap(gt: Path) -> dict[str, tuple[float, float]]:
     return spans
 
 
-def twin(cluster: Cluster, of: Agent, name: str) -> Agent:
+def twin(cluster: Cluster, of: Agent, name: str, servers: list | None = None) -> Agent:
     """A second agent process presenting `of`'s node identity from a state directory of its own (a
     credential copied to another host): its own journal and log, the same node id and credential."""
-    b = Agent(cluster.tmp, [s.grpc for s in cluster.servers], name, extra_args=["--name", of.name])
+    b = Agent(cluster.tmp, [s.grpc for s in (servers or cluster.servers)], name, extra_args=["--name", of.name])
     b.state_dir.mkdir(parents=True)
     for f in ("node-id", "credential"):
         shutil.copy2(of.state_dir / f, b.state_dir / f)
@@ -150,6 +150,27 @@ def test_a_copied_credential_supersedes_the_old_agent_which_kills_its_task_and_e
     assert "superseded" in r.stdout and f"/{a.pid}/" in r.stdout and f"/{b.pid}/" in r.stdout, r.stdout
     for text in NOISE:
         assert text not in b.output(), b.output()
+
+
+def test_the_old_agent_is_superseded_through_whichever_replica_holds_its_stream(cluster: Cluster) -> None:
+    r1, r2 = cluster.server(), cluster.server()
+    a = cluster.agent("split", servers=[r1])
+    enrolled(a)
+    gt = cluster.tmp / "GT"
+    tid = cluster.api.submit(command=ground_truth_command(gt, 12))["id"]
+    first = running(cluster, tid)
+    wait_for(lambda: journal(a, "start", first["fencing_token"]), 30, what="the first run to start")
+    b = twin(cluster, a, "split-b", servers=[r2])
+    b.start()
+    # r2 records the new instance; r1, which holds the old stream, hears of it and tells the old one
+    assert a.p is not None
+    assert a.p.wait(30) == EXIT_SUPERSEDED, a.output()
+    assert journal(a, "fence", first["fencing_token"])[0]["why"] == "superseded"
+    done = cluster.api.wait_state(tid, ("succeeded", "failed", "lost"), 90)
+    assert_at_most_one_attempt_at_once([a, b])
+    assert len(assert_runs_never_overlap(gt)) == 2
+    assert done["state"] == "succeeded" and done["attempt_list"][0]["reason"] == reasons.INSTANCE_REPLACED, done
+    assert b.alive() and cluster.api.wait_node("split", 30, connected=True)["instance_id"].split("/")[1] == str(b.pid)
 
 
 def test_a_frozen_old_agent_is_fenced_by_its_deadline_before_its_task_runs_again(cluster: Cluster) -> None:

@@ -700,6 +700,8 @@ _ACCEPTED = (TaskState.PROVISIONING, TaskState.RUNNING)
 def _check_hello(h: pb.Hello) -> str | None:
     if not h.node_id or len(h.node_id) > 128:
         return "Hello needs a node_id of 1 to 128 characters"
+    if len(h.instance_id) > 256:
+        return "Hello's instance_id must be at most 256 characters"
     if h.protocol_max and h.protocol_max < PROTOCOL_MIN or (h.protocol_min or 1) > PROTOCOL_MAX:
         return f"this server speaks agent protocol {PROTOCOL_MIN}..{PROTOCOL_MAX}; the agent speaks {h.protocol_min}..{h.protocol_max}"
     c = h.capacity
