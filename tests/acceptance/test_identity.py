@@ -123,7 +123,10 @@ def test_a_copied_credential_supersedes_the_old_agent_which_kills_its_task_and_e
         return time.time() if not (t["state"] == "running" and t["fencing_token"] == first["fencing_token"]) else None
 
     given_up_at = wait_for(left_running, 60, interval=0.05, what="the first attempt to be given up")
-    assert given_up_at - superseded_at >= FENCE_AFTER - T.heartbeat - 0.5, (
+    # The deadline is the old instance's last recorded heartbeat + its lease (+ a heartbeat): about
+    # FENCE_AFTER after it was superseded on a quiet machine, less if its last heartbeats were
+    # recorded late on a busy one. Half of it is still far from "at once" (today's bug).
+    assert given_up_at - superseded_at >= FENCE_AFTER / 2, (
         f"the attempt was given away {given_up_at - superseded_at:.2f}s after the old instance was superseded"
     )
     done = cluster.api.wait_state(tid, ("succeeded", "failed", "lost"), 90)
@@ -204,7 +207,7 @@ def test_a_frozen_old_agent_is_fenced_by_its_deadline_before_its_task_runs_again
     assert b.alive()
     time.sleep(T.heartbeat * 2)  # a ping-pong would show as the new one's stream closing
     assert cluster.api.wait_node("frozen", 30, connected=True)["instance_id"].split("/")[1] == str(b.pid)
-    assert "stream to" not in b.output(), b.output()
+    assert "superseded" not in b.output(), b.output()
 
 
 def test_an_agent_the_server_refuses_exits_with_the_reason(cluster: Cluster) -> None:
