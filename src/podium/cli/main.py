@@ -152,7 +152,7 @@ def agent(
     sdir = state_dir or (default_data_dir() / "agent")
     labels = _labels(label)
     try:
-        facts.lock_state_dir(sdir)  # held until this process ends, however it ends
+        state_lock = facts.lock_state_dir(sdir)  # noqa: F841 - held (open) until this process ends, however it ends
     except lockfile.Busy as e:
         raise CliError(
             f"another agent (pid {e.pid}) is running with the state directory {sdir}; stop it first, or give "
