@@ -36,6 +36,13 @@ def _same(pid: int, create_time: float) -> psutil.Process | None:
         return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # a killed, unreaped `podium dev` is gone
+    except psutil.Error:
+        return False
+
+
 def _stop_postgres(pg_dir: Path) -> None:
     pidfile = pg_dir / "postmaster.pid"
     try:
@@ -50,7 +57,7 @@ def _stop_postgres(pg_dir: Path) -> None:
         holders = [int(p) for p in json.loads(handles.read_text() or "[]")]
     except (OSError, ValueError, TypeError):
         holders = []
-    alive = [p for p in holders if psutil.pid_exists(p)]
+    alive = [p for p in holders if _alive(p)]
     if alive:
         return  # another live process uses this PostgreSQL: it stops it when it is done
     # the handles of dead processes would keep the next clean stop from stopping it
