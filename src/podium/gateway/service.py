@@ -495,10 +495,14 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             gone.append(r)
         # While another instance that may still run them has not passed its fence deadline (the
         # node was just taken over), what this one does not report is neither redelivered nor given
-        # away: the watchdog applies the node-loss policy once that deadline has passed.
-        if gone and await self.store.defer_node_loss(s.node_id, [r["fencing_token"] for r in gone]):
-            log.warning("node %s: %d attempts wait for the fence deadline of the instance this one superseded", s.node_id, len(gone))
-            gone = []
+        # away: the watchdog applies the node-loss policy once that deadline has passed. Assignments
+        # never pushed to any stream are no other instance's: they go to this one as usual.
+        if gone:
+            fresh = await self.store.undelivered_on_node(s.node_id)
+            held = [r["fencing_token"] for r in gone if r["fencing_token"] not in fresh]
+            if held and await self.store.defer_node_loss(s.node_id, held):
+                log.warning("node %s: %d attempts wait for the fence deadline of the instance this one superseded", s.node_id, len(held))
+                gone = [r for r in gone if r["fencing_token"] in fresh]
         for r in gone:
             if r["state"] == TaskState.ASSIGNED:
                 redeliver.append(r["fencing_token"])

@@ -554,6 +554,10 @@ class Store:
         async with self._conn() as conn:
             return await conn.fetchrow(self.q["defer_node_loss"], node_id, list(tokens)) is not None
 
+    async def undelivered_on_node(self, node_id: str) -> set[int]:
+        async with self._conn() as conn:
+            return {r["fencing_token"] for r in await conn.fetch(self.q["undelivered_on_node"], node_id)}
+
     async def handover_due(self, limit: int) -> list[asyncpg.Record]:
         async with self._conn() as conn:
             return await conn.fetch(self.q["handover_due"], limit)

@@ -63,6 +63,10 @@ UPDATE nodes SET handover_tokens = ARRAY(SELECT DISTINCT unnest(handover_tokens 
 WHERE id = $1 AND handover_until > now()
 RETURNING handover_until
 
+-- undelivered_on_node --
+-- Assignments no gateway has pushed to any stream yet: no agent instance can hold them.
+SELECT fencing_token FROM attempts WHERE node_id = $1 AND state = 'assigned' AND delivered_at IS NULL
+
 -- handover_due --
 -- Attempts whose old instance's fence deadline has passed and that are still where it left them.
 SELECT t.id, t.state, t.fencing_token, t.attempts, t.max_attempts, t.requeue_on_node_loss, t.node_id
