@@ -312,11 +312,11 @@ def test_dev_killed_takes_its_agent_and_database_with_it_and_starts_again(tmp_pa
 
         first.kill()  # SIGKILL: no chance to clean up itself
         first.wait(10)
-        wait_for(lambda: not pid_alive(agent.pid), 30, what="the agent to die with podium dev")
+        wait_for(lambda: not pid_alive(agent.pid), 60, what="the agent to die with podium dev")
         wait_for(lambda: not pid_alive(postmaster), 60, what="the embedded PostgreSQL to stop with podium dev")
         # the next `podium dev` on that data directory starts cleanly (once the guard, which cleans
         # up after the killed one, has let go of the directory)
-        wait_for(lambda: _lock_free(data / "dev.lock"), 30, what="the killed podium dev's guard to finish")
+        wait_for(lambda: _lock_free(data / "dev.lock"), 60, what="the killed podium dev's guard to finish")
         third = _dev(tmp_path, data, port, grpc_port)
         wait_for(lambda: _local_node_connected(tmp_path, port), 120, what="the next podium dev and its agent")
         assert third.poll() is None
@@ -325,6 +325,9 @@ def test_dev_killed_takes_its_agent_and_database_with_it_and_starts_again(tmp_pa
                                         XDG_CONFIG_HOME=str(tmp_path / "home" / ".config")),
                            capture_output=True, text=True, timeout=120)  # fmt: skip
         assert r.returncode == 0 and r.stdout == "again\n", r.stderr
+    except AssertionError as e:
+        logs = "\n".join(f"==== {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(tmp_path.glob("dev-*.log")))
+        raise AssertionError(f"{e}\n{logs}") from None
     finally:
         for p in (first, second, third):
             if p is not None:
