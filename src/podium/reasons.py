@@ -42,6 +42,12 @@ RETRYABLE_ERROR = "the node reported an error another node may not have"
 NODE_REVOKED = "the node was removed from the fleet"
 SECRET_MISSING = "a secret this task needs does not exist"
 SECRET_UNREADABLE = "a secret this task needs cannot be decrypted with this server's key"
+# another agent process took over the node's identity without this task; the task was given up
+# only once the process that ran it had certainly stopped it (its fence deadline)
+INSTANCE_REPLACED = "the agent process running this task was replaced by another one for the same node"
+
+# --- told to an agent process ------------------------------------------------------------------------
+SUPERSEDED = "another agent process now presents this node's identity"
 
 #: Every reason a queued task can carry, in the order placement checks for them.
 QUEUED_REASONS = (

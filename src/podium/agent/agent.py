@@ -15,7 +15,10 @@ import logging
 import os
 import random
 import shutil
+import signal
+import socket
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,10 +95,32 @@ class NodeRemoved(Exception):
     """The server refused this node for good (removed, or its credential is not accepted)."""
 
 
+class Superseded(Exception):
+    """Another agent process now presents this node's identity. This one has killed its attempts and
+    must exit without reconnecting: two copies reconnecting would knock each other off for ever."""
+
+    def __init__(self, reason: str, by: str) -> None:
+        super().__init__(f"{reason}: superseded by instance {by}")
+        self.reason = reason
+        self.by = by
+
+
+# A server that refuses *who this agent is* (not a server that is down): retrying cannot help, the
+# operator must act, so the agent exits with the server's reason.
+_REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def new_instance_id() -> str:
+    """Names this agent process among every one that ever presented the node's identity: where it
+    runs and its pid, for the operator reading the node's history, and a random part, for uniqueness."""
+    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+
+
 class Agent:
     def __init__(self, config: AgentConfig, node_id: str, timing: Timing) -> None:
         self.cfg = config
         self.node_id = node_id
+        self.instance_id = new_instance_id()
         self.timing = timing
         self.heartbeat_seconds = timing.heartbeat
         self.kill_grace = timing.kill_grace
@@ -147,10 +172,9 @@ class Agent:
             try:
                 await self._session(server)
             except grpc.aio.AioRpcError as e:
-                if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                if e.code() in _REFUSED:
                     log.error("server %s refused this node: %s", server, e.details())
-                    if e.code() == grpc.StatusCode.PERMISSION_DENIED:
-                        raise NodeRemoved(e.details() or "refused") from None
+                    raise NodeRemoved(e.details() or e.code().name) from None
                 else:
                     log.warning("stream to %s ended: %s %s", server, e.code().name, e.details())
             except (OSError, asyncio.TimeoutError) as e:
@@ -194,56 +218,61 @@ class Agent:
                                   gpus=len(c.gpu_indexes), slots=c.slots),
             backends=["process"], pool=c.pool, arch=c.arch, capabilities=c.capabilities, artifacts=c.artifacts,
             protocol_min=1, protocol_max=1, gpu_indexes=c.gpu_indexes, agent_version=__version__,
+            instance_id=self.instance_id,
             tasks=[pb.RunningTask(task_id=a.task_id, fencing_token=a.token, phase=a.phase)
                    for a in self.attempts.values()],
         ))  # fmt: skip
 
     async def _session(self, server: str) -> None:
         outq: asyncio.Queue[pb.AgentMessage] = asyncio.Queue()
-
-        async def requests():
-            yield self._hello()
-            while True:
-                yield await outq.get()
-
+        # The stream is written by a task of our own (call.write), not fed by an async generator:
+        # on a reconnect every piece is then cancelled and awaited here, and nothing is left for
+        # the garbage collector to finalise mid-read (asyncio's "Task was destroyed but it is
+        # pending", "aclose(): asynchronous generator is already running").
+        writer: asyncio.Task | None = None
+        beat: asyncio.Task | None = None
         async with self._channel(server) as channel:
             stub = pb_grpc.AgentGatewayStub(channel)
             hello_sent = time.monotonic()
-            call = stub.Connect(requests())
-            first = await asyncio.wait_for(call.read(), timeout=30)
-            if first is grpc.aio.EOF or not first.HasField("welcome"):
-                raise OSError("the server did not answer the Hello with a Welcome")
-            w = first.welcome
-            self.heartbeat_seconds = w.heartbeat_seconds or self.heartbeat_seconds
-            self.kill_grace = w.kill_grace_seconds or self.kill_grace
-            self.fence_after = w.fence_after_seconds or self.fence_after
-            if w.node_credential:
-                # enrolled now: from here on this node proves itself with its own credential
-                self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
-                write_private(self._credential_path, (w.node_credential + "\n").encode())
-                log.info("enrolled as %s; credential kept in %s", self.node_id, self._credential_path)
-            # the Hello was recorded as a heartbeat: the lease runs from when it was sent
-            self.fence.renew(hello_sent + self.fence_after)
-            log.info("connected to %s (server %s) as %s", server, w.server_id, self.node_id)
-            # What is owed from before: output no server has stored, then unacknowledged ends (the
-            # server stores an attempt's output before its end), then whatever waited for a stream.
-            for a in list(self.attempts.values()):
-                for chunk in a.unacked:
-                    outq.put_nowait(pb.AgentMessage(log=chunk))
-            for a in list(self.attempts.values()):
-                if a.final is not None:
-                    outq.put_nowait(pb.AgentMessage(event=a.final))
-            while self._buffer:
-                msg = self._buffer.popleft()
-                if msg.HasField("event") and msg.event.kind in (K.EXITED, K.FAILED_RETRYABLE, K.NOT_RUNNING):
-                    continue  # already re-sent above from the attempt itself
-                if msg.HasField("log"):
-                    continue  # re-sent above from the attempt's unacknowledged output
-                outq.put_nowait(msg)
-            self._outq = outq
-            self.connected.set()
-            beat = asyncio.get_running_loop().create_task(self._heartbeats(outq), name="agent.heartbeat")
+            call = stub.Connect()
             try:
+                await call.write(self._hello())
+                first = await asyncio.wait_for(call.read(), timeout=30)
+                if first is not grpc.aio.EOF and first.HasField("superseded"):
+                    self._superseded(first.superseded)
+                if first is grpc.aio.EOF or not first.HasField("welcome"):
+                    raise OSError("the server did not answer the Hello with a Welcome")
+                w = first.welcome
+                self.heartbeat_seconds = w.heartbeat_seconds or self.heartbeat_seconds
+                self.kill_grace = w.kill_grace_seconds or self.kill_grace
+                self.fence_after = w.fence_after_seconds or self.fence_after
+                if w.node_credential:
+                    # enrolled now: from here on this node proves itself with its own credential
+                    self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
+                    write_private(self._credential_path, (w.node_credential + "\n").encode())
+                    log.info("enrolled as %s; credential kept in %s", self.node_id, self._credential_path)
+                # the Hello was recorded as a heartbeat: the lease runs from when it was sent
+                self.fence.renew(hello_sent + self.fence_after)
+                log.info("connected to %s (server %s) as %s, instance %s", server, w.server_id, self.node_id, self.instance_id)
+                # What is owed from before: output no server has stored, then unacknowledged ends (the
+                # server stores an attempt's output before its end), then whatever waited for a stream.
+                for a in list(self.attempts.values()):
+                    for chunk in a.unacked:
+                        outq.put_nowait(pb.AgentMessage(log=chunk))
+                for a in list(self.attempts.values()):
+                    if a.final is not None:
+                        outq.put_nowait(pb.AgentMessage(event=a.final))
+                while self._buffer:
+                    msg = self._buffer.popleft()
+                    if msg.HasField("event") and msg.event.kind in (K.EXITED, K.FAILED_RETRYABLE, K.NOT_RUNNING):
+                        continue  # already re-sent above from the attempt itself
+                    if msg.HasField("log"):
+                        continue  # re-sent above from the attempt's unacknowledged output
+                    outq.put_nowait(msg)
+                self._outq = outq
+                self.connected.set()
+                writer = asyncio.get_running_loop().create_task(self._write(call, outq), name="agent.write")
+                beat = asyncio.get_running_loop().create_task(self._heartbeats(outq), name="agent.heartbeat")
                 # A healthy server acks a heartbeat at least every quarter of the lease; one silent
                 # for half of it is stuck (paused, partitioned): try the next server.
                 silence = self.fence_after / 2
@@ -256,11 +285,37 @@ class Agent:
                         raise OSError("the server closed the stream")
                     self._on_message(msg)
             finally:
-                beat.cancel()
                 self._outq = None
+                pending = [t for t in (beat, writer) if t is not None]
+                for t in pending:
+                    t.cancel()
+                call.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
                 # keep what was not handed to the transport for the next stream
                 while not outq.empty():
                     self._buffer.append(outq.get_nowait())
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, outq: asyncio.Queue[pb.AgentMessage]) -> None:
+        """Hand the stream's messages to gRPC in order. A failed write ends the stream's writing; the
+        reader sees the stream end and the session reconnects."""
+        while True:
+            msg = await outq.get()
+            try:
+                await call.write(msg)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+                log.debug("stream write failed: %s", e)
+                return
+
+    def _superseded(self, note: pb.Superseded) -> None:
+        """Another process presents this node's identity now: stop every attempt at once (the server
+        gives them away only after this instance's fence deadline, which must then be moot), and leave."""
+        log.error("%s (instance %s); this instance %s stops its attempts and exits", note.reason, note.instance_id, self.instance_id)
+        for a in self.attempts.values():
+            if a.run is not None and a.run.pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(a.run.pid, signal.SIGKILL)
+        self.fence.fence_now("superseded")
+        raise Superseded(note.reason or "superseded", note.instance_id or "unknown")
 
     async def _heartbeats(self, outq: asyncio.Queue[pb.AgentMessage]) -> None:
         seq = 0
@@ -300,6 +355,8 @@ class Agent:
                     del self._beats_sent[seq]
         elif kind == "drain":
             log.info("server says draining=%s", msg.drain.draining)
+        elif kind == "superseded":
+            self._superseded(msg.superseded)
 
     # ---- running tasks -------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psutil
 
+from podium import lockfile
+
 _ARCH = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 
 
@@ -28,6 +30,13 @@ def node_id(state_dir: Path) -> str:
     tmp.write_text(nid + "\n")
     os.replace(tmp, path)
     return nid
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Make this process the only agent on `state_dir` (its node id and credential) for as long as it
+    lives; return the lock's descriptor, to keep open. Two agents on one state directory would be one
+    node twice, each knocking the other off its stream. Raises lockfile.Busy naming the other's pid."""
+    return lockfile.hold(state_dir / "agent.lock")
 
 
 def arch() -> str:

@@ -12,6 +12,7 @@ Protocol on stdin, one command a line (times are CLOCK_MONOTONIC, shared by ever
     lease <deadline>              the attempts may run until <deadline>
     add <pgid> <task> <token>     a process group to fence
     del <pgid>                    that group ended by itself
+    kill <why>                    kill every group now (the agent was superseded by another process)
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main(journal: str | None) -> None:
                     groups[int(parts[1])] = (parts[2], parts[3])
                 elif parts[0] == "del":
                     groups.pop(int(parts[1]), None)
+                elif parts[0] == "kill":
+                    fence(" ".join(parts[1:]) or "told to")
         if groups and time.monotonic() > deadline:
             fence("lease expired")
 
@@ -117,6 +120,12 @@ class FenceKeeper:
     def remove(self, pgid: int) -> None:
         if self.groups.pop(pgid, None) is not None:
             self._write(f"del {pgid}\n")
+
+    def fence_now(self, why: str) -> None:
+        """Kill every registered group at once, whatever the lease says."""
+        if self.groups:
+            self._write(f"kill {why}\n")
+            self.groups.clear()
 
     def close(self) -> None:
         if self.proc is not None and self.proc.stdin is not None:

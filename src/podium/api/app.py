@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from podium import __version__
 from podium.api.guard import RequestGuard
 from podium.api.models import (
-    AuditOut, BatchIn, ErrorOut, EventOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeOut, SubmitNamedIn, SubmitResponse,
+    AuditOut, BatchIn, ErrorOut, EventOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeEventOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
 )  # fmt: skip
 from podium.errors import Ambiguous, Conflict, Forbidden, InvalidRequest, NotFound, Overloaded, StoreUnavailable, Unauthorized
@@ -426,6 +426,15 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
     @app.get("/v1/nodes/{node}", response_model=NodeOut, responses=_ERRORS)
     async def get_node(node: str, _who: Viewer) -> NodeOut:
         return node_out(await store.get_node(node))
+
+    @app.get("/v1/nodes/{node}/events", response_model=list[NodeEventOut], responses=_ERRORS)
+    async def node_events(
+        node: str, _who: Viewer, after: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 1000
+    ) -> list[NodeEventOut]:
+        """The node's history, oldest first: agent instances superseded, attempts handed over. Page
+        with `after` = the last id seen."""
+        row = await store.get_node(node)
+        return [NodeEventOut(**dict(r)) for r in await store.node_events(row["id"], after, limit)]
 
     @app.post("/v1/nodes/{node}/drain", response_model=NodeOut, responses=_ERRORS)
     async def drain(node: str, who: Operator) -> NodeOut:

@@ -135,6 +135,17 @@ class NodeOut(BaseModel):
     protocol_min: int
     protocol_max: int
     gpu_indexes: list[int]
+    instance_id: str | None = None  # the agent process that presents this node now
+
+
+class NodeEventOut(BaseModel):
+    """Something that happened to a node: an agent instance superseded, attempts handed over."""
+
+    id: int  # increasing: pass the last one seen as `after` for the next page
+    at: datetime
+    kind: str
+    message: str
+    detail: dict[str, Any]
 
 
 class VerdictOut(BaseModel):
@@ -273,6 +284,7 @@ def node_out(r: Any) -> NodeOut:
                               disk_bytes=r["res_disk_bytes"], gpus=r["res_gpus"], slots=r["res_slots"]),
         last_heartbeat_at=r["last_heartbeat_at"], agent_version=r["agent_version"], artifacts=list(r["artifacts"]),
         protocol_min=r["protocol_min"], protocol_max=r["protocol_max"], gpu_indexes=list(r["gpu_indexes"]),
+        instance_id=r.get("instance_id"),
     )  # fmt: skip
 
 

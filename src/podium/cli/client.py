@@ -262,6 +262,9 @@ class Client:
     def nodes(self, limit: int | None = None) -> Listing:
         return self.listing("/v1/nodes", limit)
 
+    def node_events(self, node: str, after: int = 0) -> list[dict[str, Any]]:
+        return self._request("GET", f"/v1/nodes/{node}/events", params={"after": after})
+
     def drain(self, node: str, draining: bool) -> dict[str, Any]:
         return self._request("POST", f"/v1/nodes/{_q(node)}/{'drain' if draining else 'undrain'}")
 

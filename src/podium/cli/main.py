@@ -52,6 +52,10 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a t
 EXIT_CANCELLED = 130
 EXIT_TIMEOUT = 124
 EXIT_OTHER = 1
+# How `podium agent` and `podium dev` exit when they must not run (retrying would not help).
+EXIT_REFUSED = 3  # the server refuses this node's identity
+EXIT_SUPERSEDED = 4  # another agent process took this node's identity over
+EXIT_BUSY = 5  # another process holds the state (or data) directory
 
 
 class _Table(Table):
@@ -152,9 +156,20 @@ def agent(
     from podium.agent.agent import Agent, AgentConfig
     from podium.timing import timing_from_env
 
+    from podium import lockfile
+
     _setup_logging(verbose)
     sdir = state_dir or (default_data_dir() / "agent")
     labels = _labels(label)
+    try:
+        state_lock = facts.lock_state_dir(sdir)  # noqa: F841 - held (open) until this process ends, however it ends
+    except lockfile.Busy as e:
+        raise CliError(
+            f"another agent (pid {e.pid}) is running with the state directory {sdir}; stop it first, or give "
+            "this agent its own --state-dir (a second node needs its own identity)", code=EXIT_BUSY,
+        ) from None
+    except OSError as e:
+        raise CliError(f"cannot use the state directory {sdir}: {e.strerror or e}") from None
     cfg = AgentConfig(
         servers=[s.strip() for s in server_addr if s.strip()],
         state_dir=sdir,
@@ -190,11 +205,22 @@ def agent(
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
         runner.cancel()
+        # its stream is shut down before the loop ends: no half-closed leftovers
+        await asyncio.gather(runner, return_exceptions=True)
         await node.shutdown()
-        if runner.done() and not runner.cancelled() and isinstance(runner.exception(), NodeRemoved):
-            raise CliError(f"the server refused this node: {runner.exception()}", code=3)
+        exc = runner.exception() if runner.done() and not runner.cancelled() else None
+        if isinstance(exc, NodeRemoved):
+            raise CliError(f"the server refused this node: {exc}", code=EXIT_REFUSED)
+        if isinstance(exc, Superseded):
+            raise CliError(
+                f"this agent (instance {node.instance_id}) stopped its tasks and exits: {exc.reason}: "
+                f"it was superseded by instance {exc.by}. Only one agent may run per node identity "
+                f"(state directory {sdir}).", code=EXIT_SUPERSEDED,
+            )  # fmt: skip
+        if exc is not None:
+            raise exc
 
-    from podium.agent.agent import NodeRemoved
+    from podium.agent.agent import NodeRemoved, Superseded
 
     asyncio.run(main())
 
@@ -210,8 +236,25 @@ def dev(
     """Everything on this machine in one command: embedded PostgreSQL, a server and one local agent."""
     from podium.server import PodiumServer, ServerConfig, install_signal_handlers
 
+    from podium import lockfile
+
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ddir = data_dir or default_data_dir()
+    try:
+        lock_fd = lockfile.hold(ddir / "dev.lock")  # held until this process (and its guard) ends
+    except lockfile.Busy as e:
+        raise CliError(
+            f"the data directory {ddir} is in use by another `podium dev` (pid {e.pid}); stop that one first, "
+            "or give this one its own --data-dir (and --port/--grpc-port)", code=EXIT_BUSY,
+        ) from None
+    except OSError as e:
+        raise CliError(f"cannot use the data directory {ddir}: {e.strerror or e}") from None
+    # What `podium dev` starts must end with it, even on SIGKILL: the guard holds a pipe from this
+    # process and cleans up when it closes (and the data directory's lock until it has).
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "podium.devguard", str(ddir)], stdin=subprocess.PIPE, pass_fds=(lock_fd,),
+        start_new_session=True,
+    )  # fmt: skip
     cfg = ServerConfig(data_dir=ddir, database_url=os.environ.get("PODIUM_DATABASE_URL") or None, port=port, grpc_port=grpc_port)
     t0 = time.monotonic()
     addr = f"http://127.0.0.1:{port}"
@@ -237,7 +280,9 @@ def dev(
             [sys.executable, "-m", "podium", "agent", "--server", f"127.0.0.1:{grpc_port}", "--name", "local",
              "--state-dir", str(ddir / "agent")],
             env={**os.environ, "PODIUM_JOIN_TOKEN": join, "PODIUM_LOG_LEVEL": "DEBUG" if verbose else "WARNING"},
+            preexec_fn=_die_with_parent(os.getpid()),
         )  # fmt: skip
+        _guard_tell(guard, agent_proc.pid)
         out.print(f"[bold green]Podium is running[/] (server and one local agent, data in {escape(str(ddir))})")
         out.print(f"  Token:   an admin token is in {escape(str(token_file()))} (the CLI reads it)", soft_wrap=True)
         out.print("  Note:    no TLS — fine on loopback; give `podium server` --tls-cert/--tls-key beyond it", soft_wrap=True)
@@ -256,6 +301,37 @@ def dev(
                 agent_proc.kill()
 
     asyncio.run(main())
+
+
+def _die_with_parent(parent: int) -> Any:
+    """A preexec_fn: the child gets SIGKILL when the process that started it dies (Linux)."""
+    import ctypes
+
+    try:
+        libc: Any = ctypes.CDLL(None, use_errno=True)  # loaded before the fork, not in the child
+    except OSError:
+        libc = None
+
+    def setup() -> None:  # runs between fork and exec: keep it minimal
+        if libc is not None:
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the line above took effect
+            os._exit(1)
+
+    return setup
+
+
+def _guard_tell(guard: subprocess.Popen[bytes], pid: int) -> None:
+    """Name a process the guard of `podium dev` must end if `podium dev` dies."""
+    import psutil
+
+    try:
+        created = psutil.Process(pid).create_time()
+        assert guard.stdin is not None
+        guard.stdin.write(f"agent {pid} {created}\n".encode())
+        guard.stdin.flush()
+    except (OSError, psutil.Error):
+        pass  # the agent is gone already, or the guard is: PR_SET_PDEATHSIG still ends the agent
 
 
 def _me() -> str:
@@ -648,6 +724,25 @@ def nodes(
                   ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())))  # fmt: skip
     out.print(t)
     _more(listing, json_out)
+
+
+@app.command("node-history")
+def node_history(node: str, server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+    """What happened to a node: agent processes that took its identity over, attempts handed over."""
+    from rich.markup import escape
+
+    client = Client(server)
+    rows: list[dict[str, Any]] = []
+    while page := client.node_events(node, rows[-1]["id"] if rows else 0):
+        rows += page
+    if json_out:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        out.print(f"nothing has happened to node {escape(node)} yet")
+        return
+    for e in rows:
+        out.print(f"{e['at'][:19].replace('T', ' ')}  {escape(e['kind']):<10}  {escape(e['message'])}", soft_wrap=True, highlight=False)
 
 
 @app.command()

@@ -68,6 +68,7 @@ class Session:
     last_ack: float = float("-inf")  # loop time of the last HeartbeatAck sent
     events: deque[Pending] = field(default_factory=deque)  # reports in arrival order, not yet applied
     room: asyncio.Event = field(default_factory=asyncio.Event)  # set while the backlog is below the limit
+    instance_id: str = ""  # the agent process on the other end ("" from an agent too old to say)
 
     def send(self, msg: pb.ServerMessage) -> None:
         self.out.put_nowait(msg)
@@ -96,7 +97,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self.beats_store = beats_store or store
         self.reports_store = reports_store or store
         self.security = security
-        self._revoked_conn = None
+        self._revoked_conn = None  # also hears podium_superseded
         self.scheduler = scheduler
         self.timing = timing
         self.server_id = server_id
@@ -118,6 +119,10 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         # A node stops its attempts itself this long after its last acknowledged heartbeat: two
         # heartbeats before the server may declare it offline and give its work away.
         self.fence_after = max(timing.offline_after - 2 * timing.heartbeat, timing.offline_after / 2)
+        # After another instance takes a node over, the attempts it does not report stay the node's
+        # this long past the old instance's last recorded heartbeat: its own fence deadline (which runs
+        # from when it *sent* that heartbeat, earlier) plus a heartbeat for the fence keeper to act.
+        self.handover_after = self.fence_after + timing.heartbeat
 
     # ---- loops ---------------------------------------------------------------------------------
 
@@ -201,7 +206,9 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 if self._listen_conn is None or self._listen_conn.is_closed():
                     self._listen_conn = await self.store.listen("podium_node", self._on_node_notify)
                 if self._revoked_conn is None or self._revoked_conn.is_closed():
-                    self._revoked_conn = await self.store.listen("podium_revoked", self._on_revoked)
+                    self._revoked_conn = await self.store.listen(
+                        "podium_revoked", self._on_revoked, also={"podium_superseded": self._on_superseded}
+                    )
                 for node_id in await self.store.nodes_with_outbox():
                     self._schedule_sync(node_id)
             except (StoreUnavailable, OSError) as e:
@@ -225,6 +232,26 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             log.warning("node %s was removed from the fleet; closing its stream", node_id)
             s.revoked = True
             s.close()
+
+    def _on_superseded(self, payload: str) -> None:
+        """Another instance said Hello for a node, maybe on another replica: if this replica holds the
+        old instance's stream, tell it so and close it. (A missed notification is safe: the old
+        stream's heartbeats no longer match the node's session, so nothing renews its lease, and it
+        fences itself by its deadline; the server waits for that deadline before giving its work away.)"""
+        try:
+            note = json.loads(payload)
+            node_id, old, new = note["node"], note["old"], note["new"]
+        except (ValueError, KeyError, TypeError):
+            log.warning("malformed podium_superseded notification %r", payload)
+            return
+        s = self.sessions.get(node_id)
+        if s is not None and s.instance_id == old:
+            self._supersede(s, new)
+
+    def _supersede(self, s: Session, new_instance: str) -> None:
+        log.warning("node %s: agent instance %s was superseded by instance %s; telling it to stop", s.node_id, s.instance_id, new_instance)
+        s.send(pb.ServerMessage(superseded=pb.Superseded(reason=reasons.SUPERSEDED, instance_id=new_instance)))
+        s.close()
 
     def _on_node_notify(self, node_id: str) -> None:
         self._schedule_sync(node_id)
@@ -369,25 +396,38 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             return
         c = hello.capacity
         try:
-            row = await self.store.node_hello(
+            decided = await self.store.instance_hello(
                 node_id=hello.node_id, name=hello.name or hello.node_id, pool=hello.pool or "default",
                 arch=hello.arch or "x86_64", labels=dict(hello.labels), capabilities=sorted(hello.capabilities),
                 backends=sorted(hello.backends) or ["process"], artifacts=sorted(hello.artifacts),
                 protocol_min=hello.protocol_min or 1, protocol_max=hello.protocol_max or 1,
                 gpu_indexes=list(hello.gpu_indexes), cpu_millis=c.cpu_millis, memory_bytes=c.memory_bytes,
                 disk_bytes=c.disk_bytes, gpus=c.gpus, slots=c.slots, gateway_id=self.server_id,
-                agent_version=hello.agent_version,
+                agent_version=hello.agent_version, instance_id=hello.instance_id, peer=context.peer() or "",
+                handover_after=self.handover_after,
             )  # fmt: skip
         except StoreUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server cannot reach its database: {e}")
             return
+        if decided.refused_by is not None:
+            # An instance that was superseded comes back (it missed the word, or was frozen): it must
+            # not take the node back, or two copies would knock each other off for ever.
+            log.warning("node %s: refused agent instance %s, superseded by %s", hello.node_id, hello.instance_id, decided.refused_by)
+            await context.write(pb.ServerMessage(superseded=pb.Superseded(reason=reasons.SUPERSEDED, instance_id=decided.refused_by)))
+            return
+        row = decided.row
         if row is None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this node was removed from the fleet")
             return
         old = self.sessions.get(hello.node_id)
         if old is not None:
-            old.close()
-        s = Session(hello.node_id, row["session"])
+            if decided.superseded is not None and old.instance_id == decided.superseded:
+                self._supersede(old, hello.instance_id)
+            else:
+                old.close()
+        if decided.superseded is not None:
+            log.warning("node %s: agent instance %s supersedes instance %s", hello.node_id, hello.instance_id, decided.superseded)
+        s = Session(hello.node_id, row["session"], instance_id=hello.instance_id)
         self.sessions[hello.node_id] = s
         metrics.CONNECTED_NODES.set(len(self.sessions))
         log.info("node %s (%s) connected, session %d", hello.name, hello.node_id, s.session)
@@ -491,6 +531,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 if tok in stale and rt.phase != "exited":
                     s.send(pb.ServerMessage(cancel=pb.Cancel(task_id=tid, fencing_token=tok, reason="stale attempt")))
         redeliver = []
+        gone: list[Any] = []  # on the node by the server's word, not in this Hello
         for r in on_server:
             if r["fencing_token"] in reported_tokens:
                 phase = reported[(str(r["id"]), r["fencing_token"])].phase if (str(r["id"]), r["fencing_token"]) in reported else ""
@@ -508,6 +549,18 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                     s.send(pb.ServerMessage(cancel=pb.Cancel(
                         task_id=str(r["id"]), fencing_token=r["fencing_token"], reason=reasons.CANCELLED)))  # fmt: skip
                 continue
+            gone.append(r)
+        # While another instance that may still run them has not passed its fence deadline (the
+        # node was just taken over), what this one does not report is neither redelivered nor given
+        # away: the watchdog applies the node-loss policy once that deadline has passed. Assignments
+        # never pushed to any stream are no other instance's: they go to this one as usual.
+        if gone:
+            fresh = await self.store.undelivered_on_node(s.node_id)
+            held = [r["fencing_token"] for r in gone if r["fencing_token"] not in fresh]
+            if held and await self.store.defer_node_loss(s.node_id, held):
+                log.warning("node %s: %d attempts wait for the fence deadline of the instance this one superseded", s.node_id, len(held))
+                gone = [r for r in gone if r["fencing_token"] in fresh]
+        for r in gone:
             if r["state"] == TaskState.ASSIGNED:
                 redeliver.append(r["fencing_token"])
                 continue
@@ -710,6 +763,8 @@ _ACCEPTED = (TaskState.PROVISIONING, TaskState.RUNNING)
 def _check_hello(h: pb.Hello) -> str | None:
     if not h.node_id or len(h.node_id) > 128:
         return "Hello needs a node_id of 1 to 128 characters"
+    if len(h.instance_id) > 256:
+        return "Hello's instance_id must be at most 256 characters"
     if h.protocol_max and h.protocol_max < PROTOCOL_MIN or (h.protocol_min or 1) > PROTOCOL_MAX:
         return f"this server speaks agent protocol {PROTOCOL_MIN}..{PROTOCOL_MAX}; the agent speaks {h.protocol_min}..{h.protocol_max}"
     c = h.capacity

@@ -286,6 +286,18 @@ class Scheduler:
                 step = policy.on_node_loss(f, why)
             await self.apply(row["id"], f.state, step, fencing_token=row["fencing_token"])
 
+        # Attempts a node's new agent instance did not report, once the instance it superseded has
+        # certainly stopped them (its fence deadline passed): only now may they run elsewhere.
+        for row in await self.store.handover_due(SWEEP_LIMIT):
+            f = facts(row)
+            done = await self.apply(row["id"], f.state, policy.on_node_loss(f, reasons.INSTANCE_REPLACED), fencing_token=row["fencing_token"])
+            if done is not None:
+                await self.store.node_event(
+                    row["node_id"], "handover", f"task {row['id']} (attempt token {row['fencing_token']}): {reasons.INSTANCE_REPLACED}",
+                    {"task": str(row["id"]), "fencing_token": row["fencing_token"]},
+                )  # fmt: skip
+        await self.store.handover_done()
+
         for row in await self.store.overdue_accepts(SWEEP_LIMIT):
             f = facts(row)
             await self.apply(row["id"], f.state, policy.on_accept_overdue(f), fencing_token=row["fencing_token"])

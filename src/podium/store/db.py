@@ -118,6 +118,15 @@ class DispatchOutcome:
     window_full: bool = False  # nothing claimed: too many assignments wait for their nodes already
 
 
+@dataclass(frozen=True, slots=True)
+class NodeHello:
+    """What recording a Hello decided."""
+
+    row: asyncpg.Record | None  # None: the node was removed from the fleet (or the instance refused)
+    superseded: str | None = None  # the instance this Hello took the node from
+    refused_by: str | None = None  # this instance was superseded before, by that one: not recorded
+
+
 # (claimed task rows, node rows changed since the caller's horizon, the new horizon)
 #   → (placements, {task: queued reason})
 Decider = Callable[
@@ -172,11 +181,15 @@ class Store:
         except TRANSIENT_ERRORS as e:
             raise StoreUnavailable(f"the database refused a conflicting write ({e}); nothing was written") from e
 
-    async def listen(self, channel: str, callback: Callable[[str], None]) -> asyncpg.Connection:
-        """A dedicated connection LISTENing on `channel`. The caller owns it and closes it."""
+    async def listen(
+        self, channel: str, callback: Callable[[str], None], also: dict[str, Callable[[str], None]] | None = None
+    ) -> asyncpg.Connection:
+        """A dedicated connection LISTENing on `channel` (and on every channel in `also`, each with its
+        own callback: one connection, not one per channel). The caller owns it and closes it."""
         try:
             conn = await asyncpg.connect(self.dsn)
-            await conn.add_listener(channel, lambda _c, _pid, _ch, payload: callback(payload))
+            for ch, cb in {channel: callback, **(also or {})}.items():
+                await conn.add_listener(ch, lambda _c, _pid, _ch, payload, cb=cb: cb(payload))
         except CONNECTION_ERRORS as e:
             raise StoreUnavailable(f"cannot LISTEN on {channel}: {e}") from e
         return conn
@@ -561,7 +574,11 @@ class Store:
 
     # ---- nodes ----------------------------------------------------------------------------------
 
-    async def node_hello(
+    async def node_hello(self, **facts: Any) -> asyncpg.Record | None:
+        """Record a (re)connecting node and give it a new session. None if the node was revoked."""
+        return (await self.instance_hello(**facts)).row
+
+    async def instance_hello(
         self,
         *,
         node_id: str,
@@ -582,15 +599,65 @@ class Store:
         slots: int,
         gateway_id: str,
         agent_version: str,
-    ) -> asyncpg.Record | None:
-        """Record a (re)connecting node and give it a new session. None if the node was revoked."""
-        async with self._conn() as conn:
-            return await conn.fetchrow(
+        instance_id: str = "",
+        peer: str = "",
+        handover_after: float = 0.0,
+    ) -> NodeHello:
+        """Record a (re)connecting agent instance and give the node a new session (`row` is None if
+        the node was revoked). With an instance id: an instance superseded before is refused (`refused_by` names
+        its successor, nothing is written); another instance than the node's current one supersedes
+        it, and the attempts the old one may still run are the node's until its last recorded
+        heartbeat plus `handover_after` seconds (`superseded` names the old instance)."""
+        async with self._conn() as conn, conn.transaction():
+            prev = None
+            if instance_id:
+                prev = await conn.fetchrow(self.q["node_instance_lock"], node_id)
+                gone = await conn.fetchrow(self.q["instance_superseded_by"], node_id, instance_id)
+                if gone is not None:
+                    return NodeHello(None, refused_by=gone["superseded_by"])
+            row = await conn.fetchrow(
                 self.q["node_hello"],
                 node_id, name, pool, arch, labels, capabilities, backends, artifacts,
                 protocol_min, protocol_max, gpu_indexes, cpu_millis, memory_bytes, disk_bytes,
-                gpus, slots, gateway_id, agent_version,
+                gpus, slots, gateway_id, agent_version, instance_id, peer,
             )  # fmt: skip
+            if row is None or not instance_id:
+                return NodeHello(row)
+            await conn.execute(self.q["instance_seen"], node_id, instance_id, peer)
+            old = prev["instance_id"] if prev is not None else None
+            if not old or old == instance_id:
+                return NodeHello(row)
+            message = f"instance {instance_id} ({peer or 'unknown peer'}) superseded instance {old} ({prev['instance_peer'] or 'unknown peer'})"
+            await conn.fetchrow(
+                self.q["supersede_instance"], node_id, old, instance_id, prev["last_heartbeat_at"], handover_after,
+                message, prev["instance_peer"] or "", peer,
+            )  # fmt: skip
+            return NodeHello(row, superseded=old)
+
+    async def defer_node_loss(self, node_id: str, tokens: Sequence[int]) -> bool:
+        """Keep these attempts on the node until its handover deadline; False if it has passed."""
+        async with self._conn() as conn:
+            return await conn.fetchrow(self.q["defer_node_loss"], node_id, list(tokens)) is not None
+
+    async def undelivered_on_node(self, node_id: str) -> set[int]:
+        async with self._conn() as conn:
+            return {r["fencing_token"] for r in await conn.fetch(self.q["undelivered_on_node"], node_id)}
+
+    async def handover_due(self, limit: int) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["handover_due"], limit)
+
+    async def handover_done(self) -> None:
+        async with self._conn() as conn:
+            await conn.execute(self.q["handover_done"])
+
+    async def node_event(self, node_id: str, kind: str, message: str, detail: dict[str, Any] | None = None) -> None:
+        async with self._conn() as conn:
+            await conn.execute(self.q["node_event"], node_id, kind, message, detail or {})
+
+    async def node_events(self, node_id: str, after: int = 0, limit: int = 1000) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["node_events"], node_id, after, limit)
 
     async def heartbeats(self, beats: Sequence[tuple[str, int]], gateway_id: str) -> set[str]:
         """Record heartbeats; returns the nodes recorded (not those whose session is no longer current,

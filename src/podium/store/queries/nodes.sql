@@ -3,9 +3,9 @@
 INSERT INTO nodes (id, name, pool, arch, labels, capabilities, backends, artifacts, protocol_min,
                    protocol_max, gpu_indexes, alloc_cpu_millis, alloc_memory_bytes, alloc_disk_bytes,
                    alloc_gpus, alloc_slots, health, connected, gateway_id, session, last_heartbeat_at,
-                   connected_at, agent_version)
+                   connected_at, agent_version, instance_id, instance_peer)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, 'online', true, $17, 1,
-        now(), now(), $18)
+        now(), now(), $18, NULLIF($19, ''), $20)
 ON CONFLICT (id) DO UPDATE SET
     name = EXCLUDED.name, pool = EXCLUDED.pool, arch = EXCLUDED.arch,
     labels = CASE WHEN nodes.labels_overridden THEN nodes.labels ELSE EXCLUDED.labels END,
@@ -20,9 +20,76 @@ ON CONFLICT (id) DO UPDATE SET
     alloc_slots = GREATEST(EXCLUDED.alloc_slots, nodes.res_slots),
     health = 'online', connected = true, gateway_id = EXCLUDED.gateway_id,
     session = nodes.session + 1, last_heartbeat_at = now(), connected_at = now(),
-    agent_version = EXCLUDED.agent_version, updated_at = now()
+    agent_version = EXCLUDED.agent_version, instance_id = EXCLUDED.instance_id,
+    instance_peer = EXCLUDED.instance_peer, updated_at = now()
 WHERE nodes.revoked_at IS NULL
 RETURNING id, session, draining, pg_notify('podium_dispatch', '')
+
+-- node_instance_lock --
+-- Before a Hello is recorded: the instance the node has now and when its last heartbeat was
+-- recorded (the old instance's lease runs from no later than that), the row held until the Hello
+-- is recorded, so two Hellos for one node are decided one after the other.
+SELECT instance_id, instance_peer, last_heartbeat_at FROM nodes WHERE id = $1 FOR NO KEY UPDATE
+
+-- instance_superseded_by --
+SELECT superseded_by, superseded_at FROM node_instances
+WHERE node_id = $1 AND instance_id = $2 AND superseded_at IS NOT NULL
+
+-- instance_seen --
+INSERT INTO node_instances (node_id, instance_id, peer) VALUES ($1, $2, $3)
+ON CONFLICT (node_id, instance_id) DO UPDATE SET peer = EXCLUDED.peer
+
+-- supersede_instance --
+-- Instance $3 took over node $1 from instance $2. The attempts the new instance does not report
+-- may still run under the old one until its fence deadline: its last recorded heartbeat ($4) plus
+-- $5 seconds. Every replica is told (podium_superseded), so whichever holds the old stream closes it.
+WITH s AS (
+    UPDATE node_instances SET superseded_at = now(), superseded_by = $3
+    WHERE node_id = $1 AND instance_id = $2 AND superseded_at IS NULL
+), e AS (
+    INSERT INTO node_events (node_id, kind, message, detail)
+    VALUES ($1, 'superseded', $6, jsonb_build_object('old', $2::text, 'new', $3::text, 'old_peer', $7::text,
+                                                     'new_peer', $8::text))
+)
+UPDATE nodes SET handover_until = GREATEST(handover_until, COALESCE($4::timestamptz, now()) + make_interval(secs => $5))
+WHERE id = $1
+RETURNING handover_until,
+          pg_notify('podium_superseded', json_build_object('node', $1::text, 'old', $2::text, 'new', $3::text)::text)
+
+-- defer_node_loss --
+-- The attempts a new instance did not report wait for the old instance's fence deadline. No row:
+-- the deadline has passed (by the database clock), and the node-loss policy may apply now.
+UPDATE nodes SET handover_tokens = ARRAY(SELECT DISTINCT unnest(handover_tokens || $2::bigint[]) ORDER BY 1)
+WHERE id = $1 AND handover_until > now()
+RETURNING handover_until
+
+-- undelivered_on_node --
+-- Assignments no gateway has pushed to any stream yet: no agent instance can hold them.
+SELECT fencing_token FROM attempts WHERE node_id = $1 AND state = 'assigned' AND delivered_at IS NULL
+
+-- handover_due --
+-- Attempts whose old instance's fence deadline has passed and that are still where it left them.
+SELECT t.id, t.state, t.fencing_token, t.attempts, t.max_attempts, t.requeue_on_node_loss, t.node_id
+FROM nodes n JOIN tasks t ON t.node_id = n.id AND t.fencing_token = ANY(n.handover_tokens)
+WHERE cardinality(n.handover_tokens) > 0 AND n.handover_until <= now()
+  AND t.state IN ('assigned', 'provisioning', 'running', 'cancelling')
+LIMIT $1
+
+-- handover_done --
+-- Forget the tokens of handovers whose deadline has passed once their tasks have been dealt with
+-- (a token whose task still sits on the node is kept: the next sweep tries again).
+UPDATE nodes n SET handover_tokens = ARRAY(
+    SELECT tok FROM unnest(n.handover_tokens) AS tok
+    WHERE EXISTS (SELECT 1 FROM tasks t WHERE t.node_id = n.id AND t.fencing_token = tok
+                  AND t.state IN ('assigned', 'provisioning', 'running', 'cancelling')))
+WHERE cardinality(n.handover_tokens) > 0 AND n.handover_until <= now()
+RETURNING n.id
+
+-- node_event --
+INSERT INTO node_events (node_id, kind, message, detail) VALUES ($1, $2, $3, $4)
+
+-- node_events --
+SELECT id, at, kind, message, detail FROM node_events WHERE node_id = $1 AND id > $2 ORDER BY id LIMIT $3
 
 -- heartbeats --
 -- One statement for every heartbeat a gateway received since its last flush. Health comes back to

@@ -44,7 +44,7 @@ class RunningTask(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node_id", "name", "credential", "labels", "capacity", "backends", "pool", "arch", "capabilities", "artifacts", "protocol_min", "protocol_max", "tasks", "gpu_indexes", "agent_version")
+    __slots__ = ("node_id", "name", "credential", "labels", "capacity", "backends", "pool", "arch", "capabilities", "artifacts", "protocol_min", "protocol_max", "tasks", "gpu_indexes", "agent_version", "instance_id")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class Hello(_message.Message):
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GPU_INDEXES_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     credential: str
@@ -82,7 +83,8 @@ class Hello(_message.Message):
     tasks: _containers.RepeatedCompositeFieldContainer[RunningTask]
     gpu_indexes: _containers.RepeatedScalarFieldContainer[int]
     agent_version: str
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., credential: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., pool: _Optional[str] = ..., arch: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., artifacts: _Optional[_Iterable[str]] = ..., protocol_min: _Optional[int] = ..., protocol_max: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., gpu_indexes: _Optional[_Iterable[int]] = ..., agent_version: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., credential: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., pool: _Optional[str] = ..., arch: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., artifacts: _Optional[_Iterable[str]] = ..., protocol_min: _Optional[int] = ..., protocol_max: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., gpu_indexes: _Optional[_Iterable[int]] = ..., agent_version: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "running")
@@ -137,7 +139,7 @@ class LogChunk(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., stream: _Optional[str] = ..., seq: _Optional[int] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "assign", "cancel", "ack", "drain", "heartbeat_ack", "accepted", "log_ack")
+    __slots__ = ("welcome", "assign", "cancel", "ack", "drain", "heartbeat_ack", "accepted", "log_ack", "superseded")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class ServerMessage(_message.Message):
     HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     LOG_ACK_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     assign: Assign
     cancel: Cancel
@@ -154,7 +157,8 @@ class ServerMessage(_message.Message):
     heartbeat_ack: HeartbeatAck
     accepted: Accepted
     log_ack: LogAck
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., log_ack: _Optional[_Union[LogAck, _Mapping]] = ...) -> None: ...
+    superseded: Superseded
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., log_ack: _Optional[_Union[LogAck, _Mapping]] = ..., superseded: _Optional[_Union[Superseded, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("node_id", "server_id", "heartbeat_seconds", "kill_grace_seconds", "node_credential", "fence_after_seconds")
@@ -251,6 +255,14 @@ class LogAck(_message.Message):
     stream: str
     seq: int
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., stream: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class Superseded(_message.Message):
+    __slots__ = ("reason", "instance_id")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    instance_id: str
+    def __init__(self, reason: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ("draining",)
