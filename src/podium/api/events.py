@@ -41,7 +41,10 @@ log = logging.getLogger(__name__)
 CHANNEL = "podium_events"
 KEEPALIVE = 15.0  # seconds between keep-alive comments on an idle stream
 SAFETY_POLL = 5.0  # the hub reads even without a NOTIFY this often (a lost listener, a missed wake)
-HELD_POLL = 0.05  # while committed events wait behind an older open transaction
+# While committed events wait behind an older open transaction (in any database of the cluster: the
+# horizon is the cluster's), look again after HELD_POLL, backing off to HELD_POLL_MAX.
+HELD_POLL = 0.05
+HELD_POLL_MAX = 1.0
 BUFFER = 20_000  # events the hub keeps for clients that fall a little behind
 PAGE = 1000
 LOG_POLL = 0.2  # seconds between log reads while a task runs (log chunks send no NOTIFY)
@@ -71,6 +74,7 @@ class EventHub:
         self._started = asyncio.Event()
         self.closed = False
         self.clients = 0
+        self._held_delay = HELD_POLL
 
     # ---- the one reader ------------------------------------------------------------------------
 
@@ -137,7 +141,10 @@ class EventHub:
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()
         if await self.ui.events_held(self.head):
-            asyncio.get_running_loop().call_later(HELD_POLL, self._wake.set)
+            asyncio.get_running_loop().call_later(self._held_delay, self._wake.set)
+            self._held_delay = min(HELD_POLL_MAX, self._held_delay * 2)
+        else:
+            self._held_delay = HELD_POLL
 
     # ---- clients -------------------------------------------------------------------------------
 
