@@ -52,8 +52,9 @@ def test_operator_sees_live_tasks_logs_cancel_drain_and_escaped_output(cluster: 
     dialogs: list[str] = []
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
 
+    page.goto(f"{base}/signin")
+    shot(page, "signin")
     sign_in(page, base, server.admin_token)
-    shot(page, "signin-done-tasks-empty")
 
     # a task submitted through the CLI appears without reloading
     tid = submit_cli(base, tmp_path, {"name": "ticker", "command": ["sh", "-c", "echo tick-one; sleep 60"]})
@@ -138,6 +139,10 @@ def test_viewer_has_no_buttons_and_a_forged_post_is_refused(cluster: Cluster, pa
         assert page.locator("main button", has_text=re.compile("Cancel|Drain|Undrain|Set labels")).count() == 0, path
     page.goto(f"{base}/admin")
     assert "admin role" in page.inner_text("main")
+    page.click("header button")  # sign out: the session ends, the pages ask for a token again
+    page.wait_for_url(re.compile(r".*/signin.*"))
+    page.goto(f"{base}/nodes")
+    assert "/signin" in page.url
 
     # an operator's session forged into posting without the CSRF token changes nothing
     r = api.http.post("/v1/tokens", json={"name": "op", "role": "operator"})

@@ -47,6 +47,7 @@ HELD_POLL = 0.05
 HELD_POLL_MAX = 1.0
 BUFFER = 20_000  # events the hub keeps for clients that fall a little behind
 PAGE = 1000
+START_WAIT = 10.0  # seconds a new client waits for the hub's first read before a 503
 LOG_POLL = 0.2  # seconds between log reads while a task runs (log chunks send no NOTIFY)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorOut} for c in (401, 403, 404, 422, 503)}
@@ -81,7 +82,10 @@ class EventHub:
     async def ensure_started(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="events.hub")
-        await self._started.wait()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._started.wait()), START_WAIT)
+        except TimeoutError:
+            raise StoreUnavailable("the event stream cannot reach PostgreSQL yet") from None
 
     def close(self) -> None:
         """End every stream (the server is stopping) and the reader."""
@@ -108,7 +112,7 @@ class EventHub:
                         await asyncio.wait_for(self._wake.wait(), SAFETY_POLL)
                     self._wake.clear()
                     await self._read()
-                except StoreUnavailable as e:
+                except Exception as e:  # noqa: BLE001 - the one reader must outlive any single failure
                     log.warning("event stream: %s; retrying", e)
                     if conn is not None:
                         with contextlib.suppress(Exception):

@@ -29,16 +29,15 @@ class Cursor:
 class UiStore:
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.q = store.q
 
     async def start_cursor(self) -> Cursor:
         async with self.store._conn() as conn:
-            return Cursor(int(await conn.fetchval(self.q["events_start"])), 0)
+            return Cursor(int(await conn.fetchval(self.store.q["events_start"])), 0)
 
     async def cursor_of(self, event_id: int) -> Cursor:
         """Where a client that last saw event `event_id` resumes."""
         async with self.store._conn() as conn:
-            txid = await conn.fetchval(self.q["event_txid"], event_id)
+            txid = await conn.fetchval(self.store.q["event_txid"], event_id)
         if txid is None:
             return Cursor(0, 0, event_id)
         return Cursor(int(txid), event_id)
@@ -56,12 +55,12 @@ class UiStore:
     ) -> list[asyncpg.Record]:
         async with self.store._conn() as conn:
             return await conn.fetch(
-                self.q["events_after"], str(cursor.txid), cursor.id, cursor.floor, limit, task_id, node_id, state, tasks, nodes
+                self.store.q["events_after"], str(cursor.txid), cursor.id, cursor.floor, limit, task_id, node_id, state, tasks, nodes
             )
 
     async def events_held(self, cursor: Cursor) -> bool:
         async with self.store._conn() as conn:
-            return bool(await conn.fetchval(self.q["events_held"], str(cursor.txid), cursor.id))
+            return bool(await conn.fetchval(self.store.q["events_held"], str(cursor.txid), cursor.id))
 
     async def tasks_page(
         self,
@@ -76,21 +75,21 @@ class UiStore:
         at, tid = before if before else (None, None)
         async with self.store._conn() as conn:
             return await conn.fetch(
-                self.q["ui_tasks_page"], at, tid, state, name, node_id, labels or None, limit
+                self.store.q["ui_tasks_page"], at, tid, state, name, node_id, labels or None, limit
             )
 
     async def spec_revisions(self, name: str) -> list[asyncpg.Record]:
         async with self.store._conn() as conn:
-            return await conn.fetch(self.q["ui_spec_revisions"], name)
+            return await conn.fetch(self.store.q["ui_spec_revisions"], name)
 
     async def create_session(self, session_hash: bytes, token_id: str, csrf: str, ttl_seconds: float) -> None:
         async with self.store._conn() as conn:
-            await conn.execute(self.q["ui_session_insert"], session_hash, token_id, csrf, ttl_seconds)
+            await conn.execute(self.store.q["ui_session_insert"], session_hash, token_id, csrf, ttl_seconds)
 
     async def session(self, session_hash: bytes) -> Any:
         async with self.store._conn() as conn:
-            return await conn.fetchrow(self.q["ui_session_get"], session_hash)
+            return await conn.fetchrow(self.store.q["ui_session_get"], session_hash)
 
     async def end_session(self, session_hash: bytes) -> None:
         async with self.store._conn() as conn:
-            await conn.execute(self.q["ui_session_delete"], session_hash)
+            await conn.execute(self.store.q["ui_session_delete"], session_hash)

@@ -120,9 +120,10 @@ def _back(url: str, note: str | None = None) -> RedirectResponse:
     return RedirectResponse(url, status_code=303)
 
 
-def _stream_from(request: Request) -> str:
+async def _stream_from(request: Request) -> str:
     """The event-stream position a page was rendered at, so its live stream misses nothing since."""
     hub: events.EventHub = request.app.state.event_hub
+    await hub.ensure_started()
     head = hub.head or Cursor(0, 0)
     return f"{head.txid}-{head.id}"
 
@@ -222,7 +223,7 @@ def router() -> APIRouter:
                 cursor = (datetime.fromisoformat(at), uuid.UUID(tid))
             except ValueError:
                 errors.append("before: not a page position; use the Next link")
-        stream_from = _stream_from(request)
+        stream_from = await _stream_from(request)
         rows = await request.app.state.ui_store.tasks_page(
             before=cursor, state=state_v, name=name or None, node_id=node_id, labels=labels, limit=PAGE_SIZE + 1
         )
@@ -245,7 +246,7 @@ def router() -> APIRouter:
         who = await _who(request)
         store = request.app.state.store
         tid = _uuid(task_id)
-        stream_from = _stream_from(request)
+        stream_from = await _stream_from(request)
         row, attempts, evs = await store.task_detail(tid)
         explain = None
         if row["state"] == TaskState.QUEUED:
@@ -278,7 +279,7 @@ def router() -> APIRouter:
                 on = await store.list_tasks(node_id=n["id"], limit=200)
                 running[n["id"]] = [t for t in on if TaskState(t["state"]) not in TERMINAL]
         return page(request, "nodes.html", who=who, nodes=rows, running=running, note=note,
-                    live="/ui/stream/nodes?" + urlencode({"from": _stream_from(request)}))  # fmt: skip
+                    live="/ui/stream/nodes?" + urlencode({"from": await _stream_from(request)}))  # fmt: skip
 
     def node_action(action: str, apply: Callable[[Any, str, dict[str, str]], Any]) -> Any:
         async def handler(request: Request, node: str) -> Response:
