@@ -139,6 +139,7 @@ def test_viewer_has_no_buttons_and_a_forged_post_is_refused(cluster: Cluster, pa
         assert page.locator("main button", has_text=re.compile("Cancel|Drain|Undrain|Set labels")).count() == 0, path
     page.goto(f"{base}/admin")
     assert "admin role" in page.inner_text("main")
+    page.goto(f"{base}/")
     page.click("header button")  # sign out: the session ends, the pages ask for a token again
     page.wait_for_url(re.compile(r".*/signin.*"))
     page.goto(f"{base}/nodes")
