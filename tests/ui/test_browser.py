@@ -4,7 +4,9 @@ cancel, drain, roles, CSRF, escaping. Screenshots of each page go to docs/ui/.""
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -18,12 +20,15 @@ from tests.ui.conftest import Cluster
 
 pytestmark = pytest.mark.slow
 
+# PODIUM_UI_SCREENSHOTS=1 refreshes the screenshots in docs/ui/; otherwise they go to a temporary
+# directory (still taken: a page that cannot render fails here), so a test run leaves the tree alone.
 SHOTS = Path(__file__).resolve().parents[2] / "docs" / "ui"
 
 
 def shot(page: Any, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / f"{name}.png"))
+    where = SHOTS if os.environ.get("PODIUM_UI_SCREENSHOTS") == "1" else Path(tempfile.gettempdir()) / "podium-ui-shots"
+    where.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(where / f"{name}.png"))
 
 
 def sign_in(page: Any, base: str, token: str) -> None:
