@@ -163,6 +163,16 @@ def test_viewer_has_no_buttons_and_a_forged_post_is_refused(cluster: Cluster, pa
         assert httpx.post(f"{base}/signin", data={"token": operator}).status_code == 403
     assert api.task(tid)["state"] == "running"
     assert not [n for n in api.nodes() if n["draining"]]
+    # the event stream takes a signed-in browser's session cookie instead of a bearer token
+    with httpx.Client(base_url=base, follow_redirects=False) as c:
+        pre = c.get("/signin")
+        csrf = re.search(r'name="csrf" value="([^"]+)"', pre.text).group(1)
+        assert c.post("/signin", data={"token": viewer, "csrf": csrf}).status_code == 303
+        with c.stream("GET", "/v1/events", params={"after": "0", "task": tid}) as r:
+            assert r.status_code == 200
+            assert any(line.startswith("event: task") for line in r.iter_lines())
+        c.cookies.set("podium_session", "forged")
+        assert c.get("/v1/events").status_code == 401
     # the viewer's own session may not post either, even with its CSRF token
     with httpx.Client(base_url=base, follow_redirects=False) as c:
         pre = c.get("/signin")
