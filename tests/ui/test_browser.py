@@ -107,6 +107,13 @@ def test_operator_sees_live_tasks_logs_cancel_drain_and_escaped_output(cluster: 
     page.goto(f"{base}/")
     shot(page, "tasks")
 
+    # node changes arrive live too: undrained elsewhere, the open nodes page says so without a reload
+    page.goto(f"{base}/nodes")
+    node_id = api.wait_node("n1")["id"]
+    assert api.http.post(f"/v1/nodes/{node_id}/undrain").status_code == 200
+    page.wait_for_selector(f"[id='node-status-{node_id}'] >> text=taking work")
+    api.wait_state(queued, "succeeded")  # and the waiting task runs
+
     # named specs: store a revision from the page
     assert api.http.put("/v1/specs/nightly", json={"command": ["echo", "one"]}).status_code == 201
     page.goto(f"{base}/specs")
