@@ -68,6 +68,8 @@ LIMIT $7
 SELECT * FROM named_specs WHERE name = $1 ORDER BY revision DESC LIMIT 100
 
 -- ui_session_insert --
+-- (expired sessions go at every sign-in, so the table never holds more than a day of them)
+WITH gone AS (DELETE FROM ui_sessions WHERE expires_at < now())
 INSERT INTO ui_sessions (id, token_id, csrf, expires_at) VALUES ($1, $2, $3, now() + make_interval(secs => $4))
 
 -- ui_session_get --
