@@ -22,6 +22,7 @@ import uvicorn
 
 from podium import metrics
 from podium.api.app import create_app
+from podium.api.ui import close as close_ui
 from podium.pressure import DEFAULT_MAX_LAG, Pressure
 from podium.gateway.service import Gateway
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
@@ -182,6 +183,7 @@ class PodiumServer:
                 raise LoopDied(f"loop {died[0].get_name()} stopped: {died[0].exception() if not died[0].cancelled() else 'cancelled'}")
         finally:
             api.should_exit = True
+            close_ui(app)  # end the open event streams, or the API would wait for them to close
             stopper.cancel()
             for t in tasks:
                 if t.get_name() != "api":

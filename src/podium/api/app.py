@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from podium import __version__
 from podium.api.guard import RequestGuard
+from podium.api.ui import install as install_ui
 from podium.api.models import (
     AuditOut, BatchIn, ErrorOut, EventOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeEventOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
@@ -182,6 +183,8 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         title="Podium",
         version=__version__,
         description="A control plane that runs work on a fleet of machines and tells the truth about it.",
+        docs_url=None,  # served from vendored assets by podium.api.ui (works without the internet)
+        redoc_url=None,
     )
 
     app.state.security = security
@@ -536,6 +539,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         rows = _page(request, response, rows, limit, lambda r: _cursor("audit", r["id"]), remaining)
         return [AuditOut(**dict(r)) for r in rows]
 
+    install_ui(app, store, scheduler, security)  # the event stream, the web UI, /docs
     return app
 
 

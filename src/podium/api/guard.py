@@ -1,7 +1,8 @@
 """The first thing every request meets, before routing and before any body is parsed:
 
 - a /v1/ call without an Authorization header is refused with 401 whatever its body, so an
-  unauthenticated caller learns nothing from validation errors;
+  unauthenticated caller learns nothing from validation errors (the event streams also take the web
+  UI's session cookie, checked by their route);
 - a body is counted as it streams in (Content-Length or chunked alike) and refused past MAX_BODY;
 - NUL characters are refused in the path, the query and the body: PostgreSQL text cannot hold them,
   and a request that would fail there must fail here with a sentence, not with a 500.
@@ -57,6 +58,17 @@ def _nul_path(body: bytes) -> str:
     return ".".join(found) if found else "body"
 
 
+# The event streams a signed-in browser reads with its session cookie (an EventSource cannot send an
+# Authorization header); the route itself checks the session (podium.api.session).
+_SESSION_STREAMS = re.compile(r"^/v1/(events|tasks/[^/]+/logs/stream)$")
+
+
+def _ui_stream(scope: Scope, headers: dict[bytes, bytes]) -> bool:
+    return scope.get("method") == "GET" and b"podium_session=" in headers.get(b"cookie", b"") and bool(
+        _SESSION_STREAMS.match(scope["path"])
+    )
+
+
 class RequestGuard:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -66,7 +78,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if scope["path"].startswith("/v1/") and not headers.get(b"authorization"):
+        if scope["path"].startswith("/v1/") and not headers.get(b"authorization") and not _ui_stream(scope, headers):
             await _reply(send, 401, "this call needs a bearer token (Authorization: Bearer pdm_…; the CLI reads PODIUM_TOKEN)",
                          [(b"www-authenticate", b"Bearer")])  # fmt: skip
             return

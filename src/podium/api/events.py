@@ -1,0 +1,416 @@
+"""The event stream: `GET /v1/events` (server-sent events of task and node changes) and the SSE log
+follow `GET /v1/tasks/{id}/logs/stream`.
+
+One `EventHub` per server holds one LISTEN connection (`podium_events`, sent by triggers on the event
+tables) and one reader: on a NOTIFY it reads what is new once, keeps the latest events in memory and
+wakes every client, which filters them itself. An idle client is a coroutine waiting on an asyncio
+event, so a thousand of them cost the database nothing and the server almost nothing. A client behind
+the hub's memory (one resuming from an old id) reads the database itself until it catches up.
+
+Order and resumption: events are delivered in (txid, id) order, only once their transaction is below
+the snapshot's xmin (see migration 0010); the SSE id is the event row's id, and `Last-Event-ID` (or
+`?after=`) resumes after it: every missed event, in order, none twice, across server restarts.
+
+This module only reads: it must never change a task or a node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
+
+import asyncpg
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import StreamingResponse
+
+from podium.api.models import ErrorOut
+from podium.errors import InvalidRequest, StoreUnavailable
+from podium.security.tokens import Role
+from podium.states import TERMINAL, TaskState
+from podium.store import Store
+from podium.store.ui import Cursor, UiStore
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "podium_events"
+KEEPALIVE = 15.0  # seconds between keep-alive comments on an idle stream
+SAFETY_POLL = 5.0  # the hub reads even without a NOTIFY this often (a lost listener, a missed wake)
+# While committed events wait behind an older open transaction (in any database of the cluster: the
+# horizon is the cluster's), look again after HELD_POLL, backing off to HELD_POLL_MAX.
+HELD_POLL = 0.05
+HELD_POLL_MAX = 1.0
+BUFFER = 20_000  # events the hub keeps for clients that fall a little behind
+PAGE = 1000
+START_WAIT = 10.0  # seconds a new client waits for the hub's first read before a 503
+LOG_POLL = 0.2  # seconds between log reads while a task runs (log chunks send no NOTIFY)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorOut} for c in (401, 403, 404, 422, 503)}
+
+
+def _key(c: Cursor) -> tuple[int, int]:
+    return (c.txid, c.id)
+
+
+def cursor_of_row(r: Any, floor: int = 0) -> Cursor:
+    return Cursor(int(r["txid"]), int(r["id"]), floor)
+
+
+class EventHub:
+    def __init__(self, store: Store, ui: UiStore) -> None:
+        self.store = store
+        self.ui = ui
+        self.start: Cursor | None = None  # the buffer holds every event after this
+        self.head: Cursor | None = None  # the last event read
+        self._keys: list[tuple[int, int]] = []
+        self._rows: list[asyncpg.Record] = []
+        self._changed = asyncio.Event()  # replaced at every change; clients wait on the current one
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
+        self.closed = False
+        self.clients = 0
+        self._held_delay = HELD_POLL
+
+    # ---- the one reader ------------------------------------------------------------------------
+
+    async def ensure_started(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="events.hub")
+        try:
+            await asyncio.wait_for(asyncio.shield(self._started.wait()), START_WAIT)
+        except TimeoutError:
+            raise StoreUnavailable("the event stream cannot reach PostgreSQL yet") from None
+
+    def close(self) -> None:
+        """End every stream (the server is stopping) and the reader."""
+        self.closed = True
+        self._changed.set()
+        if self._task is not None:
+            self._task.cancel()
+
+    def _notify(self, _payload: str) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        conn: asyncpg.Connection | None = None
+        try:
+            while not self.closed:
+                try:
+                    if conn is None or conn.is_closed():
+                        conn = await self.store.listen(CHANNEL, self._notify)
+                        self._wake.set()  # NOTIFYs sent while no one listened are gone: read now
+                    if self.start is None:
+                        self.start = self.head = await self.ui.start_cursor()
+                        self._started.set()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), SAFETY_POLL)
+                    self._wake.clear()
+                    await self._read()
+                except Exception as e:  # noqa: BLE001 - the one reader must outlive any single failure
+                    log.warning("event stream: %s; retrying", e)
+                    if conn is not None:
+                        with contextlib.suppress(Exception):
+                            await conn.close()
+                    conn = None
+                    await asyncio.sleep(1.0)
+        finally:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+
+    async def _read(self) -> None:
+        assert self.head is not None
+        got = False
+        while True:
+            rows = await self.ui.events_after(self.head, PAGE)
+            for r in rows:
+                c = cursor_of_row(r)
+                self._keys.append(_key(c))
+                self._rows.append(r)
+                self.head = c
+            got = got or bool(rows)
+            if len(rows) < PAGE:
+                break
+        if len(self._rows) > BUFFER:
+            drop = len(self._rows) - BUFFER
+            self.start = cursor_of_row(self._rows[drop - 1])
+            del self._rows[:drop], self._keys[:drop]
+        if got:
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+        if await self.ui.events_held(self.head):
+            asyncio.get_running_loop().call_later(self._held_delay, self._wake.set)
+            self._held_delay = min(HELD_POLL_MAX, self._held_delay * 2)
+        else:
+            self._held_delay = HELD_POLL
+
+    # ---- clients -------------------------------------------------------------------------------
+
+    def covers(self, c: Cursor) -> bool:
+        return self.start is not None and _key(c) >= _key(self.start)
+
+    def after(self, c: Cursor) -> list[asyncpg.Record]:
+        return self._rows[bisect.bisect_right(self._keys, _key(c)) :]
+
+    async def follow(
+        self, cursor: Cursor | None, match: Callable[[Any], bool], db_filters: dict[str, Any]
+    ) -> AsyncIterator[asyncpg.Record | None]:
+        """Events after `cursor` (None: from now on) that `match`, forever; None is a keep-alive."""
+        await self.ensure_started()
+        assert self.head is not None
+        if cursor is None:
+            cursor = self.head
+        self.clients += 1
+        try:
+            while not self.closed:
+                if self.covers(cursor):
+                    changed = self._changed
+                    rows = self.after(cursor)
+                    if rows:
+                        cursor = cursor_of_row(rows[-1], cursor.floor)
+                        for r in rows:
+                            if r["id"] > cursor.floor and match(r):
+                                yield r
+                        continue
+                    try:
+                        await asyncio.wait_for(changed.wait(), KEEPALIVE)
+                    except TimeoutError:
+                        yield None
+                    continue
+                # behind the hub's memory: read the database until caught up
+                start_before = self.start
+                rows = await self.ui.events_after(cursor, PAGE, **db_filters)
+                for r in rows:
+                    cursor = cursor_of_row(r, cursor.floor)
+                    yield r
+                if len(rows) < PAGE and start_before is not None and _key(start_before) > _key(cursor):
+                    # that read saw every event up to where the hub's memory begins (its horizon
+                    # was later than the one the hub began at): continue from the hub
+                    cursor = Cursor(start_before.txid, start_before.id, cursor.floor)
+                elif len(rows) < PAGE:
+                    await asyncio.sleep(0.05)
+        finally:
+            self.clients -= 1
+
+
+def event_json(r: Any) -> dict[str, Any]:
+    if r["kind"] == "task":
+        return {
+            "id": r["id"], "kind": "task", "at": r["at"].isoformat(), "task_id": str(r["task_id"]),
+            "task_name": r["task_name"], "from_state": r["from_state"], "state": r["state"], "reason": r["reason"],
+            "actor": r["actor"], "attempt": r["attempt"], "node_id": r["node_id"], "fencing_token": r["fencing_token"],
+        }  # fmt: skip
+    return {
+        "id": r["id"], "kind": "node", "at": r["at"].isoformat(), "node_id": r["node_id"], "health": r["health"],
+        "connected": r["connected"], "draining": r["draining"], "revoked": r["revoked"], "labels": r["labels"],
+    }  # fmt: skip
+
+
+def sse(event: str, data: str, event_id: int | None = None) -> bytes:
+    """One server-sent event; every line of `data` becomes its own `data:` line."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    body = "".join(f"data: {line}\n" for line in data.split("\n"))
+    return f"{head}event: {event}\n{body}\n".encode()
+
+
+KEEPALIVE_BYTES = b": keep-alive\n\n"
+
+
+class Filters:
+    """A stream's filters, checked in memory on the hub's events and in SQL on a catch-up read."""
+
+    def __init__(self, task_id: uuid.UUID | None, node_id: str | None, state: str | None, kinds: set[str]) -> None:
+        self.task_id, self.node_id, self.state, self.kinds = task_id, node_id, state, kinds
+
+    def match(self, r: Any) -> bool:
+        if r["kind"] not in self.kinds:
+            return False
+        if r["kind"] == "node":
+            return self.task_id is None and self.state is None and (self.node_id is None or r["node_id"] == self.node_id)
+        return (
+            (self.task_id is None or r["task_id"] == self.task_id)
+            and (self.node_id is None or r["node_id"] == self.node_id)
+            and (self.state is None or r["state"] == self.state)
+        )
+
+    def db(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "node_id": self.node_id, "state": self.state,
+                "tasks": "task" in self.kinds, "nodes": "node" in self.kinds}  # fmt: skip
+
+
+async def parse_filters(
+    store: Store, task: str | None, node: str | None, state: str | None, kind: str | None
+) -> Filters:
+    task_id = None
+    if task:
+        try:
+            task_id = uuid.UUID(task)
+        except ValueError:
+            raise InvalidRequest(f"task: {task!r} is not a task id; task ids are UUIDs like 3f2a…") from None
+    if state:
+        try:
+            state = TaskState(state).value
+        except ValueError:
+            raise InvalidRequest(f"state: {state!r} is not a task state; one of {', '.join(s.value for s in TaskState)}") from None
+    node_id = (await store.get_node(node))["id"] if node else None
+    if kind not in (None, "", "task", "node"):
+        raise InvalidRequest(f"kind: {kind!r} is neither 'task' nor 'node'; leave it out for both")
+    return Filters(task_id, node_id, state or None, {kind} if kind else {"task", "node"})
+
+
+async def resume_cursor(ui: UiStore, last_event_id: str | None, after: int | None) -> Cursor | None:
+    raw = after if after is not None else last_event_id
+    if raw is None or raw == "":
+        return None
+    try:
+        event_id = int(raw)
+        if event_id < 0:
+            raise ValueError
+    except ValueError:
+        raise InvalidRequest(f"Last-Event-ID: {raw!r} is not an event id (a whole number this stream sent)") from None
+    return await ui.cursor_of(event_id)
+
+
+def event_stream(hub: EventHub, cursor: Cursor | None, filters: Filters, render: Callable[[Any], bytes]) -> AsyncIterator[bytes]:
+    async def gen() -> AsyncIterator[bytes]:
+        yield b"retry: 1000\n\n"
+        async for r in hub.follow(cursor, filters.match, filters.db()):
+            yield KEEPALIVE_BYTES if r is None else render(r)
+
+    return gen()
+
+
+def _json_event(r: Any) -> bytes:
+    return sse(r["kind"], json.dumps(event_json(r)), r["id"])
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def log_stream(store: Store, hub: EventHub, task_id: uuid.UUID, after: int, render: Callable[[Any], bytes],
+                     end: Callable[[Any], bytes]) -> AsyncIterator[bytes]:  # fmt: skip
+    """Log chunks of a task as SSE (id: the chunk id, so Last-Event-ID resumes), then one end event
+    once the task has ended and a read after that found nothing new. A separate function from the
+    NDJSON follow in app.py, so the two can be merged with the chunk offsets being added there."""
+    yield b"retry: 1000\n\n"
+    idle = 0.0
+    while not hub.closed:
+        try:
+            task = await store.get_task(task_id)
+            rows = await store.read_logs(task_id, after, 1000)
+        except StoreUnavailable:
+            await asyncio.sleep(1)
+            continue
+        for r in rows:
+            after = r["id"]
+            yield render(r)
+        if rows:
+            idle = 0.0
+            continue
+        if TaskState(task["state"]) in TERMINAL:
+            # the gateway stores an attempt's output before its end: one more read closes the gap
+            rows = await store.read_logs(task_id, after, 1000)
+            for r in rows:
+                after = r["id"]
+                yield render(r)
+            if not rows:
+                yield end(task)
+                return
+            continue
+        await asyncio.sleep(LOG_POLL)
+        idle += LOG_POLL
+        if idle >= KEEPALIVE:
+            idle = 0.0
+            yield KEEPALIVE_BYTES
+
+
+def router() -> APIRouter:
+    r = APIRouter()
+
+    @r.get(
+        "/v1/events",
+        responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
+        response_class=StreamingResponse,
+    )
+    async def events(
+        request: Request,
+        task: Annotated[str | None, Query(max_length=64, description="only this task's events")] = None,
+        node: Annotated[str | None, Query(max_length=128, description="only events on this node (id or name)")] = None,
+        state: Annotated[str | None, Query(max_length=32, description="only task events into this state")] = None,
+        kind: Annotated[str | None, Query(max_length=8, description="'task' or 'node'; both when left out")] = None,
+        after: Annotated[int | None, Query(ge=0, description="resume after this event id (as Last-Event-ID)")] = None,
+        last_event_id: Annotated[str | None, Header(max_length=32)] = None,
+    ) -> StreamingResponse:
+        """Server-sent events of task changes (state, reason, attempt, node) and node changes (health,
+        connected, drain, labels). Each event's id is its row's id; reconnecting with `Last-Event-ID`
+        (or `?after=`) gets every event missed, in order, none twice."""
+        app = request.app
+        await app.state.sessions.caller(request, Role.VIEWER)
+        store: Store = app.state.store
+        filters = await parse_filters(store, task, node, state, kind)
+        cursor = await resume_cursor(app.state.ui_store, last_event_id, after)
+        return StreamingResponse(
+            event_stream(app.state.event_hub, cursor, filters, _json_event), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+    @r.get(
+        "/v1/tasks/{task_id}/logs/stream",
+        responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
+        response_class=StreamingResponse,
+    )
+    async def log_events(
+        request: Request,
+        task_id: str,
+        after: Annotated[int | None, Query(ge=0, description="resume after this chunk id")] = None,
+        last_event_id: Annotated[str | None, Header(max_length=32)] = None,
+    ) -> StreamingResponse:
+        """A task's output as server-sent events (`chunk`, id = the chunk id) until it ends (`end`:
+        state, exit code, reason). Resumable with `Last-Event-ID` or `?after=`."""
+        app = request.app
+        await app.state.sessions.caller(request, Role.VIEWER)
+        tid = _task_id(task_id)
+        store: Store = app.state.store
+        await store.get_task(tid)
+        start = _after(last_event_id, after)
+
+        def chunk(row: Any) -> bytes:
+            data = {"id": row["id"], "attempt": row["attempt"], "stream": row["stream"],
+                    "data": bytes(row["data"]).decode("utf-8", errors="replace")}  # fmt: skip
+            return sse("chunk", json.dumps(data), row["id"])
+
+        def end(task: Any) -> bytes:
+            return sse("end", json.dumps({"state": task["state"], "exit_code": task["exit_code"], "reason": task["reason"]}))
+
+        return StreamingResponse(
+            log_stream(store, app.state.event_hub, tid, start, chunk, end), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+    return r
+
+
+def _task_id(task_id: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(task_id)
+    except ValueError:
+        raise InvalidRequest(f"{task_id!r} is not a task id; task ids are UUIDs like 3f2a…") from None
+
+
+def _after(last_event_id: str | None, after: int | None) -> int:
+    raw: Any = after if after is not None else last_event_id
+    if raw in (None, ""):
+        return 0
+    try:
+        value = int(raw)
+        if value < 0:
+            raise ValueError
+        return value
+    except ValueError:
+        raise InvalidRequest(f"Last-Event-ID: {raw!r} is not a chunk id (a whole number this stream sent)") from None
+
+

@@ -1,0 +1,95 @@
+"""The store's reads and writes for the event stream and the web UI (queries/ui.sql). Kept beside
+`Store` rather than in it so the two grow apart without conflict; it runs queries only through the
+store's pool and error translation, and it never changes a task or a node.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from podium.store.db import Store
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Cursor:
+    """A position in the event stream: events sort by (txid, id). `floor` is set when a client
+    resumed from an event id no longer stored: it then gets only events with a higher id."""
+
+    txid: int
+    id: int
+    floor: int = 0
+
+
+class UiStore:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def start_cursor(self) -> Cursor:
+        async with self.store._conn() as conn:
+            return Cursor(int(await conn.fetchval(self.store.q["events_start"])), 0)
+
+    async def cursor_of(self, event_id: int) -> Cursor:
+        """Where a client that last saw event `event_id` resumes."""
+        async with self.store._conn() as conn:
+            txid = await conn.fetchval(self.store.q["event_txid"], event_id)
+        if txid is None:
+            return Cursor(0, 0, event_id)
+        return Cursor(int(txid), event_id)
+
+    async def events_after(
+        self,
+        cursor: Cursor,
+        limit: int,
+        *,
+        task_id: uuid.UUID | None = None,
+        node_id: str | None = None,
+        state: str | None = None,
+        tasks: bool = True,
+        nodes: bool = True,
+    ) -> list[asyncpg.Record]:
+        async with self.store._conn() as conn:
+            return await conn.fetch(
+                self.store.q["events_after"], str(cursor.txid), cursor.id, cursor.floor, limit, task_id, node_id, state, tasks, nodes
+            )
+
+    async def events_held(self, cursor: Cursor) -> bool:
+        async with self.store._conn() as conn:
+            return bool(await conn.fetchval(self.store.q["events_held"], str(cursor.txid), cursor.id))
+
+    async def tasks_page(
+        self,
+        *,
+        before: tuple[datetime, uuid.UUID] | None,
+        state: str | None,
+        name: str | None,
+        node_id: str | None,
+        labels: dict[str, str] | None,
+        limit: int,
+    ) -> list[asyncpg.Record]:
+        at, tid = before if before else (None, None)
+        async with self.store._conn() as conn:
+            return await conn.fetch(
+                self.store.q["ui_tasks_page"], at, tid, state, name, node_id, labels or None, limit
+            )
+
+    async def spec_revisions(self, name: str) -> list[asyncpg.Record]:
+        async with self.store._conn() as conn:
+            return await conn.fetch(self.store.q["ui_spec_revisions"], name)
+
+    async def create_session(self, session_hash: bytes, token_id: str, csrf: str, ttl_seconds: float) -> None:
+        async with self.store._conn() as conn:
+            await conn.execute(self.store.q["ui_session_insert"], session_hash, token_id, csrf, ttl_seconds)
+
+    async def session(self, session_hash: bytes) -> Any:
+        async with self.store._conn() as conn:
+            return await conn.fetchrow(self.store.q["ui_session_get"], session_hash)
+
+    async def end_session(self, session_hash: bytes) -> None:
+        async with self.store._conn() as conn:
+            await conn.execute(self.store.q["ui_session_delete"], session_hash)
