@@ -295,29 +295,39 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 async def log_stream(store: Store, hub: EventHub, task_id: uuid.UUID, after: int, render: Callable[[Any], bytes],
                      end: Callable[[Any], bytes]) -> AsyncIterator[bytes]:  # fmt: skip
-    """Log chunks of a task as SSE (id: the chunk id, so Last-Event-ID resumes), then one end event
-    once the task has ended and a read after that found nothing new. A separate function from the
-    NDJSON follow in app.py, so the two can be merged with the chunk offsets being added there."""
+    """Log chunks of a task as SSE, in the order they were written, then one end event once the task
+    has ended and a read after that found nothing new. Each event's id is its chunk's id, so
+    Last-Event-ID resumes; the read itself goes by position (fencing token, seq, stream), never by
+    id: ids are handed out in whatever order an insert's plan produces, not in the order written."""
     yield b"retry: 1000\n\n"
+    position: tuple[int, int, str] | None = None
+    if after:
+        try:
+            position = await store.log_position(task_id, after)
+        except StoreUnavailable:
+            position = None
+        if position is None:
+            yield sse("error", json.dumps({"error": f"chunk {after} is no chunk of this task; resume with an id this stream sent"}), None)
+            return
     idle = 0.0
     while not hub.closed:
         try:
             task = await store.get_task(task_id)
-            rows = await store.read_logs(task_id, after, 1000)
+            rows = await store.read_logs(task_id, after=position, limit=1000)
         except StoreUnavailable:
             await asyncio.sleep(1)
             continue
         for r in rows:
-            after = r["id"]
+            position = (r["fencing_token"], r["seq"], r["stream"])
             yield render(r)
         if rows:
             idle = 0.0
             continue
         if TaskState(task["state"]) in TERMINAL:
             # the gateway stores an attempt's output before its end: one more read closes the gap
-            rows = await store.read_logs(task_id, after, 1000)
+            rows = await store.read_logs(task_id, after=position, limit=1000)
             for r in rows:
-                after = r["id"]
+                position = (r["fencing_token"], r["seq"], r["stream"])
                 yield render(r)
             if not rows:
                 yield end(task)
