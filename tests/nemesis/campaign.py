@@ -112,7 +112,10 @@ def settle(fleet: Fleet, timeout: float, log: Any) -> bool:
 
 
 def run(seconds: float, seed: int, hosts: int = 3, rate: float = 3.0, soak_period: float = 0.0,
-        settle_timeout: float = 60.0, root: Path | None = None, keep: bool = False, log: Any = print) -> Result:  # fmt: skip
+        settle_timeout: float = 60.0, root: Path | None = None, keep: bool = False, log: Any = print,
+        probe: Any = None) -> Result:  # fmt: skip
+    """`probe(fleet, record, truth)`, if given, runs after the check with the fleet still up (the
+    suite uses it to show the checker catches what it claims to)."""
     log(f"nemesis seed: {seed}  (replay: scripts/nemesis --seconds {seconds:.0f} --seed {seed})")
     own_root = root is None
     root = root or Path(tempfile.mkdtemp(prefix="podium-nemesis-"))
@@ -155,6 +158,8 @@ def run(seconds: float, seed: int, hosts: int = 3, rate: float = 3.0, soak_perio
                 await conn.close()
 
         verdict = asyncio.run(judge())
+        if probe is not None:
+            probe(fleet, workload.rec, truth)
         if not settled:
             verdict.notes.append(("settle-timeout", f"the fleet had not settled after {settle_timeout:.0f}s"))
         report = _report(seed, seconds, workload.rec.ops, len(workload.rec.acks), nemesis.faults, nemesis.errors, verdict,

@@ -35,10 +35,10 @@ class Active:
 
 class Nemesis:
     def __init__(self, fleet: Fleet, seed: int, interval: tuple[float, float] = (1.0, 4.0),
-                 duration: tuple[float, float] = (1.0, 8.0), kinds: tuple[str, ...] = KINDS, log: Any = print) -> None:  # fmt: skip
+                 duration: tuple[float, float] = (1.0, 6.0), long: tuple[float, float] = (10.0, 25.0), kinds: tuple[str, ...] = KINDS, log: Any = print) -> None:  # fmt: skip
         self.fleet = fleet
         self.rng = random.Random(seed)
-        self.interval, self.duration = interval, duration
+        self.interval, self.duration, self.long = interval, duration, long
         self.kinds = tuple(k for k in kinds if k != "replica-clock-skew" or faketime_lib())
         self.log = log
         self.faults: Counter[str] = Counter()
@@ -71,7 +71,9 @@ class Nemesis:
             kind = self.rng.choice(self.kinds)
             host = self.rng.randrange(len(self.fleet.hosts))
             rep = self.rng.randrange(len(self.fleet.replicas))
-            dur = self.rng.uniform(*self.duration)
+            # most faults are short; some outlast OfflineAfter, so nodes are given up on, tasks requeued
+            # or lost, and fence keepers must have stopped them first
+            dur = self.rng.uniform(*self.duration) if self.rng.random() < 0.65 else self.rng.uniform(*self.long)
             x = self.rng.random()
             if len(self.active) >= 2:
                 continue

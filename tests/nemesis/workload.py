@@ -103,13 +103,16 @@ class Workload:
     def submit(self) -> None:
         keyed = self.rng.random() < 0.5
         key = f"nem-{uuid.UUID(int=self.rng.getrandbits(128)).hex}" if keyed else None
-        dur = round(self.rng.uniform(0.3, 4.0), 2)
+        # mostly short tasks; some long enough that a partition or a stopped agent catches them running
+        dur = round(self.rng.uniform(0.3, 4.0) if self.rng.random() < 0.8 else self.rng.uniform(5.0, 20.0), 2)
         code = 0 if self.rng.random() < 0.85 else 3
+        requeue = self.rng.random() < 0.8
         spec: dict[str, Any] = {
             "command": [sys.executable, "-I", "-c", TRUTH_SCRIPT, str(dur), str(code)],
             "env": {"NEMESIS_TRUTH": str(self.fleet.truth)},
             "resources": {"cpu": "100m", "memory": "32Mi"},
             "name": f"nem-{'k' if keyed else 'n'}-{code}",
+            "requeue_on_node_loss": requeue,
         }
         if keyed:
             spec["idempotency_key"] = key
