@@ -111,7 +111,7 @@ def settle(fleet: Fleet, timeout: float, log: Any) -> bool:
     return False
 
 
-def run(seconds: float, seed: int, hosts: int = 3, rate: float = 3.0, soak_period: float = 0.0,
+def run(seconds: float, seed: int, hosts: int = 3, rate: float = 3.0, soak_period: float = 0.0, pg: str = "embedded",
         settle_timeout: float = 60.0, root: Path | None = None, keep: bool = False, log: Any = print,
         probe: Any = None) -> Result:  # fmt: skip
     """`probe(fleet, record, truth)`, if given, runs after the check with the fleet still up (the
@@ -119,7 +119,7 @@ def run(seconds: float, seed: int, hosts: int = 3, rate: float = 3.0, soak_perio
     log(f"nemesis seed: {seed}  (replay: scripts/nemesis --seconds {seconds:.0f} --seed {seed})")
     own_root = root is None
     root = root or Path(tempfile.mkdtemp(prefix="podium-nemesis-"))
-    fleet = Fleet(root, hosts=hosts, seed=seed, log=log)
+    fleet = Fleet(root, hosts=hosts, seed=seed, pg=pg, log=log)
     workload: Workload | None = None
     nemesis: Nemesis | None = None
     soak: Soak | None = None
@@ -210,12 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="replay a campaign (default: a random seed, printed)")
     ap.add_argument("--hosts", type=int, default=3, help="agent hosts, each in its own network namespace")
     ap.add_argument("--rate", type=float, default=3.0, help="client operations per second")
+    ap.add_argument("--pg", choices=("embedded", "system"), default="embedded",
+                    help="the harness's own PostgreSQL (restartable), or the system's on 127.0.0.1:5432")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (logs, ground truth)")
     a = ap.parse_args(argv)
     seconds = a.seconds if a.seconds is not None else 60 * (a.minutes if a.minutes is not None else 1)
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
     # the long run also watches for leaks: one sample a minute (and at the start and the end)
-    res = run(seconds, seed, hosts=a.hosts, rate=a.rate, soak_period=60.0 if seconds >= 120 else 0.0,
+    res = run(seconds, seed, hosts=a.hosts, rate=a.rate, soak_period=60.0 if seconds >= 120 else 0.0, pg=a.pg,
               keep=a.keep, log=lambda s: print(s, flush=True))  # fmt: skip
     return 0 if res.anomalies == 0 else 1
 

@@ -4,7 +4,8 @@ server replicas on one PostgreSQL, all with mutual TLS and node certificates.
     workload ──https──▶ replica r0 / r1 (root namespace; API on loopback, gateway on the bridge)
                               │ each through its own proxy (cut = partition from PostgreSQL)
                               ▼
-                        PostgreSQL 15 (127.0.0.1:5432, a fresh database per run)
+                        PostgreSQL: the harness's own embedded one (restartable), or
+                        the system's 15 on 127.0.0.1:5432 (--pg system); a fresh database per run
     host h<i> (netns) ── veth ── bridge ── proxy h<i>→r<j> ── replica r<j> gateway
 
 Replicas and agents are started from the ExecStart lines of deploy/systemd/*.service (the same
@@ -33,6 +34,7 @@ import asyncpg
 import httpx
 
 from tests.nemesis.net import HostNet, Net, _alive
+from tests.nemesis.pg import OwnPostgres
 from tests.nemesis.pki import FleetPki
 from tests.nemesis.proxy import Link, ProxyHub
 
@@ -162,11 +164,14 @@ class Host:
 
 class Fleet:
     def __init__(self, root: Path, hosts: int = 3, replicas: int = 2, slots: int = 2, seed: int = 0,
-                 log: Any = print) -> None:  # fmt: skip
+                 pg: str = "embedded", log: Any = print) -> None:  # fmt: skip
         self.root = root
         self.n_hosts, self.n_replicas, self.slots = hosts, replicas, slots
         self.log = log
         self.db = f"{DB_PREFIX}{os.getpid()}"
+        self.pg_kind = pg
+        self.own_pg: OwnPostgres | None = None
+        self.admin_url = PG_ADMIN
         self.db_url = _with_db(PG_ADMIN, self.db)
         self.truth = root / "truth"  # written by the tasks themselves; no server is told of it
         self.net: Net | None = None
@@ -179,7 +184,7 @@ class Fleet:
     # ---- database ------------------------------------------------------------------------------
 
     async def _admin(self, sql: str, *args: Any) -> Any:
-        conn = await asyncpg.connect(PG_ADMIN, timeout=10)
+        conn = await asyncpg.connect(self.admin_url, timeout=10)
         try:
             return await conn.fetch(sql, *args)
         finally:
@@ -276,6 +281,15 @@ class Fleet:
 
         self.root.mkdir(parents=True, exist_ok=True)
         self.truth.mkdir(exist_ok=True)
+        target: tuple[str, int] | str = ("127.0.0.1", 5432)
+        if self.pg_kind == "embedded":
+            self.own_pg = OwnPostgres(self.log).start()
+            self.admin_url = self.own_pg.admin_url
+            self.db_url = _with_db(self.admin_url, self.db)
+            target = self.own_pg.socket
+            # two replicas hold up to ~70 connections, and killed replicas leave theirs for a while
+            asyncio.run(self._admin("ALTER SYSTEM SET max_connections = 300"))
+            self.own_pg.restart()
         asyncio.run(self._create_db())
         self.net = Net(self.log).up()
         pki = FleetPki(self.root / "pki")
@@ -284,7 +298,7 @@ class Fleet:
         (self.root / "secret.key").chmod(0o600)
         for i in range(self.n_replicas):
             name = f"r{i}"
-            link = self.hub.add(f"{name}-db", "127.0.0.1", ("127.0.0.1", 5432))
+            link = self.hub.add(f"{name}-db", "127.0.0.1", target)
             r = Replica(name, self._free_port(), self._free_port(), self.root / name, link, Proc(name, [], {}, self.root / f"{name}.log"))
             self.replicas.append(r)
             # one after the other: the first migrates the fresh database and makes the tokens
@@ -334,6 +348,9 @@ class Fleet:
             self.net.down()
         import asyncio
 
+        if self.own_pg is not None:
+            self.own_pg.stop()
+            return
         try:
             asyncio.run(self._admin(f'DROP DATABASE IF EXISTS "{self.db}" WITH (FORCE)'))
         except (OSError, asyncpg.PostgresError) as e:

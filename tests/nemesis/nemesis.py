@@ -21,7 +21,7 @@ from typing import Any
 from tests.nemesis.fleet import Fleet, faketime_lib
 
 KINDS = ("link-down", "drop-in", "drop-out", "delay", "loss", "replica-db-cut", "agent-stop", "agent-kill",
-         "replica-kill", "pg-terminate", "replica-clock-skew")  # fmt: skip
+         "replica-kill", "pg-terminate", "pg-restart", "replica-clock-skew")  # fmt: skip
 REPLICA_KINDS = {"replica-db-cut", "replica-kill", "replica-clock-skew"}
 
 
@@ -39,7 +39,8 @@ class Nemesis:
         self.fleet = fleet
         self.rng = random.Random(seed)
         self.interval, self.duration, self.long = interval, duration, long
-        self.kinds = tuple(k for k in kinds if k != "replica-clock-skew" or faketime_lib())
+        self.kinds = tuple(k for k in kinds if (k != "replica-clock-skew" or faketime_lib())
+                           and (k != "pg-restart" or fleet.own_pg is not None))  # fmt: skip
         self.log = log
         self.faults: Counter[str] = Counter()
         self.active: list[Active] = []
@@ -88,7 +89,7 @@ class Nemesis:
                 self.errors.append(f"{kind}: {e}")
                 continue
             self.faults[kind] += 1
-            target = r.name if kind in REPLICA_KINDS else ("postgres" if kind == "pg-terminate" else h.name)
+            target = r.name if kind in REPLICA_KINDS else ("postgres" if kind.startswith("pg-") else h.name)
             self._say(f"{kind} {target} for {dur:.1f}s")
             if heal is not None:
                 self.active.append(Active(kind, target, time.monotonic() + dur, heal))
@@ -124,6 +125,10 @@ class Nemesis:
             return lambda: f.start_replica(r, wait=False)
         if kind == "pg-terminate":
             asyncio.run(f.terminate_connections())
+            return None
+        if kind == "pg-restart":
+            assert f.own_pg is not None
+            f.own_pg.restart()
             return None
         if kind == "replica-clock-skew":
             skew = ("+" if x < 0.5 else "-") + f"{int(30 + x * 270)}s"

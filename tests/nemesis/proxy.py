@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Link:
     name: str
-    target: tuple[str, int]
+    target: tuple[str, int] | str  # host and port, or a Unix socket's path
     port: int = 0
     delay: float = 0.0
     loss: float = 0.0
@@ -39,7 +39,7 @@ class ProxyHub:
     def _call(self, coro: object, timeout: float = 10) -> object:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
 
-    def add(self, name: str, listen_host: str, target: tuple[str, int]) -> Link:
+    def add(self, name: str, listen_host: str, target: tuple[str, int] | str) -> Link:
         async def start() -> Link:
             link = Link(name, target)
             link.open.set()
@@ -56,7 +56,10 @@ class ProxyHub:
         link.writers.add(w)
         try:
             await link.open.wait()  # a connection opened during a cut hangs, as SYNs into a partition do
-            ur, uw = await asyncio.open_connection(*link.target)
+            if isinstance(link.target, str):
+                ur, uw = await asyncio.open_unix_connection(link.target)
+            else:
+                ur, uw = await asyncio.open_connection(*link.target)
         except OSError:
             link.writers.discard(w)
             w.close()
@@ -108,3 +111,5 @@ class ProxyHub:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+            if not self.thread.is_alive():
+                self.loop.close()
