@@ -97,17 +97,23 @@ def settle(fleet: Fleet, timeout: float, log: Any) -> bool:
         finally:
             await conn.close()
 
-    deadline = time.monotonic() + timeout
+    # A backlog left by the workload drains at the fleet's pace: keep waiting while it shrinks, give
+    # up after `timeout` without progress (or ten times that in all).
+    start = time.monotonic()
+    progress_at, best = start, None
     last = (-1, -1)
-    while time.monotonic() < deadline:
+    while time.monotonic() - progress_at < timeout and time.monotonic() - start < 10 * timeout:
         try:
             last = asyncio.run(busy())
         except Exception as e:
             log(f"settle: {e}")
         if last[0] == 0 and last[1] == len(fleet.hosts):
+            log(f"settled after {time.monotonic() - start:.1f}s")
             return True
+        if last[0] >= 0 and (best is None or last[0] < best):
+            best, progress_at = last[0], time.monotonic()
         time.sleep(0.5)
-    log(f"settle: after {timeout:.0f}s still {last[0]} tasks not ended, {last[1]}/{len(fleet.hosts)} nodes online")
+    log(f"settle: after {time.monotonic() - start:.0f}s still {last[0]} tasks not ended, {last[1]}/{len(fleet.hosts)} nodes online")
     return False
 
 
@@ -116,7 +122,7 @@ def run(seconds: float, seed: int, hosts: int = 3, rate: float = 3.0, soak_perio
         probe: Any = None) -> Result:  # fmt: skip
     """`probe(fleet, record, truth)`, if given, runs after the check with the fleet still up (the
     suite uses it to show the checker catches what it claims to)."""
-    log(f"nemesis seed: {seed}  (replay: scripts/nemesis --seconds {seconds:.0f} --seed {seed})")
+    log(f"nemesis seed: {seed}  (replay: scripts/nemesis --seconds {seconds:.0f} --seed {seed} --hosts {hosts} --rate {rate:g} --pg {pg})")
     own_root = root is None
     root = root or Path(tempfile.mkdtemp(prefix="podium-nemesis-"))
     fleet = Fleet(root, hosts=hosts, seed=seed, pg=pg, log=log)
@@ -161,7 +167,7 @@ def run(seconds: float, seed: int, hosts: int = 3, rate: float = 3.0, soak_perio
         if probe is not None:
             probe(fleet, workload.rec, truth)
         if not settled:
-            verdict.notes.append(("settle-timeout", f"the fleet had not settled after {settle_timeout:.0f}s"))
+            verdict.notes.append(("settle-timeout", f"the fleet made no progress for {settle_timeout:.0f}s"))
         report = _report(seed, seconds, workload.rec.ops, len(workload.rec.acks), nemesis.faults, nemesis.errors, verdict,
                          soak.rows if soak else [])  # fmt: skip
         log(report)
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=None, help="the same in seconds")
     ap.add_argument("--seed", type=int, default=None, help="replay a campaign (default: a random seed, printed)")
     ap.add_argument("--hosts", type=int, default=3, help="agent hosts, each in its own network namespace")
-    ap.add_argument("--rate", type=float, default=3.0, help="client operations per second")
+    ap.add_argument("--rate", type=float, default=2.0, help="client operations per second")
     ap.add_argument("--pg", choices=("embedded", "system"), default="embedded",
                     help="the harness's own PostgreSQL (restartable), or the system's on 127.0.0.1:5432")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (logs, ground truth)")
