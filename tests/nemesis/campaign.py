@@ -119,7 +119,7 @@ def settle(fleet: Fleet, timeout: float, log: Any) -> bool:
 
 def run(seconds: float, seed: int, hosts: int = 3, rate: float = 3.0, soak_period: float = 0.0, pg: str = "embedded",
         settle_timeout: float = 60.0, root: Path | None = None, keep: bool = False, log: Any = print,
-        probe: Any = None) -> Result:  # fmt: skip
+        probe: Any = None, fault_interval: tuple[float, float] = (1.0, 4.0)) -> Result:  # fmt: skip
     """`probe(fleet, record, truth)`, if given, runs after the check with the fleet still up (the
     suite uses it to show the checker catches what it claims to)."""
     log(f"nemesis seed: {seed}  (replay: scripts/nemesis --seconds {seconds:.0f} --seed {seed} --hosts {hosts} --rate {rate:g} --pg {pg})")
@@ -137,7 +137,7 @@ def run(seconds: float, seed: int, hosts: int = 3, rate: float = 3.0, soak_perio
             time.sleep(0.2)
         log(f"fleet: {len(fleet.replicas)} replicas, {fleet.online_nodes()}/{hosts} agents online after {time.monotonic() - t0:.1f}s; run dir {root}")
         workload = Workload(fleet, seed + 1, rate=rate, log=log)
-        nemesis = Nemesis(fleet, seed, log=log)
+        nemesis = Nemesis(fleet, seed, interval=fault_interval, log=log)
         if soak_period:
             soak = Soak(fleet, soak_period, log)
             soak.start()
