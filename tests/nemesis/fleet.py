@@ -81,6 +81,35 @@ def faketime_lib() -> str | None:
     return str(libs[0]) if libs else None
 
 
+PIDS_PREFIX = "podium-nemesis-pids-"
+
+
+def _pids_file() -> Path:
+    """Every process the harness starts is listed here, so a run after a crash can stop them."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"{PIDS_PREFIX}{os.getpid()}"
+
+
+def cleanup_stale_processes(log: Any = print) -> None:
+    import tempfile
+
+    for f in Path(tempfile.gettempdir()).glob(PIDS_PREFIX + "*"):
+        owner = f.name[len(PIDS_PREFIX):]
+        if not owner.isdigit() or _alive(int(owner)):
+            continue
+        for line in f.read_text().split():
+            try:
+                with open(f"/proc/{int(line)}/cmdline", "rb") as c:
+                    if b"podium" not in c.read():
+                        continue  # the pid was reused by something else
+                os.kill(int(line), signal.SIGKILL)
+                log(f"fleet: killed {line}, left running by run {owner}")
+            except (OSError, ValueError):
+                pass
+        f.unlink(missing_ok=True)
+
+
 @dataclass
 class Proc:
     name: str
@@ -94,6 +123,8 @@ class Proc:
         with open(self.log, "ab") as f:
             f.write(f"\n==== start {time.time():.3f}: {shlex.join(self.argv)}\n".encode())
             self.p = subprocess.Popen(self.argv, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(_pids_file(), "a") as pf:
+            pf.write(f"{self.p.pid}\n")
         self.stopped = False
 
     @property
@@ -281,6 +312,7 @@ class Fleet:
 
         self.root.mkdir(parents=True, exist_ok=True)
         self.truth.mkdir(exist_ok=True)
+        cleanup_stale_processes(self.log)
         target: tuple[str, int] | str = ("127.0.0.1", 5432)
         if self.pg_kind == "embedded":
             self.own_pg = OwnPostgres(self.log).start()
@@ -348,6 +380,7 @@ class Fleet:
             self.net.down()
         import asyncio
 
+        _pids_file().unlink(missing_ok=True)
         if self.own_pg is not None:
             self.own_pg.stop()
             return

@@ -44,6 +44,12 @@ def cleanup_stale(log: callable = print) -> int:  # type: ignore[valid-type]
         name = line.split()[0] if line.split() else ""
         m = _NS_RE.match(name)
         if m and not _alive(int(m.group(1))):
+            # whatever still runs in it (an agent, its tasks) goes first: it was that run's
+            for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
             sh("ip", "netns", "del", name, check=False)
             removed += 1
     for line in sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
