@@ -419,6 +419,7 @@ class Agent:
                 return
             a.run = run
             a.phase = "running"
+            started = time.monotonic()
             assert run.pid is not None
             self.fence.add(run.pid, a.task_id, a.token)
             self._journal(ev="start", task=a.task_id, token=a.token, pid=run.pid)
@@ -431,7 +432,10 @@ class Agent:
             ended = time.monotonic()
             self.fence.remove(run.pid)
             self._journal(ev="stop", task=a.task_id, token=a.token, code=code)
-            if self.fence.expired(ended) and not a.cancel_requested:
+            # A SIGKILL while the lease had run out is the fence keeper's, even when the acknowledgement
+            # of a late heartbeat renewed the lease before this exit was seen: not the task's own exit.
+            fenced = self.fence.expired(ended) or (code == 128 + 9 and self.fence.lapsed(started, ended))
+            if fenced and not a.cancel_requested:
                 # it was stopped here because this node lost its lease; another node may have it now
                 msg = f"stopped on this node: no heartbeat acknowledged for {self.fence_after:g}s"
                 self._event(a, K.FAILED_RETRYABLE, message=msg)

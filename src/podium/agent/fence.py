@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 CHECK_EVERY = 0.02  # seconds; how late past the deadline a fence can fire
@@ -83,6 +84,9 @@ class FenceKeeper:
         self.proc: subprocess.Popen[bytes] | None = None
         self.deadline = 0.0
         self.groups: dict[int, tuple[str, int]] = {}
+        # Deadlines that had passed when the next renewal came: the keeper may have fenced then. An
+        # attempt's exit the agent notices only after such a renewal is still the fence's doing.
+        self.lapses: deque[float] = deque(maxlen=32)
 
     def _ensure(self) -> subprocess.Popen[bytes]:
         if self.proc is None or self.proc.poll() is not None:
@@ -107,11 +111,18 @@ class FenceKeeper:
 
     def renew(self, deadline: float) -> None:
         if deadline > self.deadline:
+            if self.groups and time.monotonic() > self.deadline:
+                self.lapses.append(self.deadline)
             self.deadline = deadline
             self._write(f"lease {deadline}\n")
 
     def expired(self, at: float | None = None) -> bool:
         return (time.monotonic() if at is None else at) > self.deadline
+
+    def lapsed(self, start: float, end: float) -> bool:
+        """Whether the lease ran out at some moment between `start` and `end` (monotonic times),
+        even if a renewal has come since."""
+        return self.expired(end) or any(start <= t <= end for t in self.lapses)
 
     def add(self, pgid: int, task: str, token: int) -> None:
         self.groups[pgid] = (task, token)
