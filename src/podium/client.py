@@ -1,8 +1,8 @@
 """A Python client of the Podium API: `Client` (sync) and `AsyncClient` (async), typed results.
 
-It finds the server and the token as the CLI does (PODIUM_ADDR, PODIUM_TOKEN, then the token
-`podium dev` left in the user's config dir; PODIUM_CA_FILE for TLS), reusing the CLI's own discovery
-functions. Streams (`events`, `logs(follow=True)`, `run`) are server-sent events and resume after the
+It finds the server and the token (PODIUM_ADDR, PODIUM_TOKEN, then the token `podium dev` left in
+the user's config dir; PODIUM_CA_FILE for TLS) with the functions below, which the CLI uses too: the
+CLI is a client of this module, never the other way round. Streams (`events`, `logs(follow=True)`, `run`) are server-sent events and resume after the
 last id they delivered when a connection drops, so a server restart loses nothing and repeats nothing.
 It never retries a submission without the caller's idempotency key.
 """
@@ -16,15 +16,53 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
-
-from podium.cli.client import find_token, normalise_addr
+import platformdirs
 
 __all__ = ["AsyncClient", "Client", "Event", "LogChunk", "Node", "PodiumError", "RunResult", "Task"]
 
 RECONNECT_SECONDS = 120.0  # how long a stream keeps trying to get back to a server that went away
+DEFAULT_ADDR = "http://127.0.0.1:8642"
+
+
+def normalise_addr(addr: str | None) -> str:
+    """The server's base URL: `addr`, else PODIUM_ADDR, else the local default; http:// if no scheme."""
+    addr = (addr or os.environ.get("PODIUM_ADDR") or DEFAULT_ADDR).strip().rstrip("/")
+    if "://" not in addr:
+        addr = "http://" + addr
+    return addr
+
+
+def token_file() -> Path:
+    """Where `podium dev` leaves an admin token for this user (owner-only)."""
+    return Path(platformdirs.user_config_dir("podium")) / "token"
+
+
+def find_token() -> str | None:
+    """PODIUM_TOKEN, else the token `podium dev` left in the user's config dir."""
+    if os.environ.get("PODIUM_TOKEN"):
+        return os.environ["PODIUM_TOKEN"].strip()
+    path = token_file()
+    if path.exists():
+        return path.read_text().strip() or None
+    return None
+
+
+def tls_verify() -> ssl.SSLContext | bool:
+    """The CA to trust: PODIUM_CA_FILE, else the system's."""
+    ca_file = os.environ.get("PODIUM_CA_FILE")
+    return ssl.create_default_context(cafile=ca_file) if ca_file else True
+
+
+def connection(addr: str | None = None, token: str | None = None, timeout: float = 30.0) -> httpx.Client:
+    """An HTTP connection to the server, found and authenticated as every Podium client does."""
+    base = normalise_addr(addr)
+    tok = token or find_token()
+    headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+    return httpx.Client(base_url=base, timeout=timeout, headers=headers, verify=tls_verify())
 
 
 class PodiumError(Exception):
@@ -137,9 +175,7 @@ def _settings(addr: str | None, token: str | None) -> tuple[str, dict[str, str],
     base = normalise_addr(addr)
     tok = token or find_token()
     headers = {"Authorization": f"Bearer {tok}"} if tok else {}
-    ca_file = os.environ.get("PODIUM_CA_FILE")
-    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
-    return base, headers, verify
+    return base, headers, tls_verify()
 
 
 def _check(r: httpx.Response) -> Any:
@@ -168,8 +204,8 @@ class Client:
     """The synchronous client. `Client()` finds the server and token as the CLI does."""
 
     def __init__(self, addr: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
-        self.addr, headers, verify = _settings(addr, token)
-        self.http = httpx.Client(base_url=self.addr, timeout=timeout, headers=headers, verify=verify)
+        self.http = connection(addr, token, timeout)
+        self.addr = str(self.http.base_url).rstrip("/")
 
     def close(self) -> None:
         self.http.close()

@@ -1,24 +1,25 @@
-"""A small synchronous client of the REST API for the CLI. Errors become `CliError` with one line."""
+"""The CLI's view of the REST API: the rows it prints, as dicts, over the connection the Python client
+(`podium.client`) makes — the same discovery of the server, the token and the CA. Errors become
+`CliError` with one line."""
 
 from __future__ import annotations
 
 import base64
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import ssl
 
 import httpx
-import platformdirs
 
-DEFAULT_ADDR = "http://127.0.0.1:8642"
+from podium.client import connection, token_file
+
+__all__ = ["CliError", "Client", "Listing", "token_file"]
 FOLLOW_RECONNECT_SECONDS = 120.0
 OVERLOAD_PATIENCE = 120.0  # seconds the CLI keeps re-sending a request an overloaded server refused
 PAGE = 1000  # rows per request when the CLI pages through a listing (the API's largest page)
@@ -45,35 +46,10 @@ class CliError(Exception):
         self.code = code
 
 
-def normalise_addr(addr: str | None) -> str:
-    addr = (addr or os.environ.get("PODIUM_ADDR") or DEFAULT_ADDR).strip().rstrip("/")
-    if "://" not in addr:
-        addr = "http://" + addr
-    return addr
-
-
-def token_file() -> Path:
-    return Path(platformdirs.user_config_dir("podium")) / "token"
-
-
-def find_token() -> str | None:
-    """PODIUM_TOKEN, else the token `podium dev` left in the user's config dir."""
-    if os.environ.get("PODIUM_TOKEN"):
-        return os.environ["PODIUM_TOKEN"].strip()
-    path = token_file()
-    if path.exists():
-        return path.read_text().strip() or None
-    return None
-
-
 class Client:
     def __init__(self, addr: str | None = None, timeout: float = 30.0) -> None:
-        self.addr = normalise_addr(addr)
-        token = find_token()
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        ca_file = os.environ.get("PODIUM_CA_FILE")
-        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
-        self.http = httpx.Client(base_url=self.addr, timeout=timeout, headers=headers, verify=verify)
+        self.http = connection(addr, timeout=timeout)
+        self.addr = str(self.http.base_url).rstrip("/")
 
     def _request(self, method: str, path: str, **kw: Any) -> Any:
         return self._answer(self._response(method, path, **kw))
