@@ -60,6 +60,10 @@ def _has_capabilities(req: Requirements, node: NodeSnapshot) -> bool:
     return req.capabilities <= node.capabilities
 
 
+def _provides_egress(req: Requirements, node: NodeSnapshot) -> bool:
+    return req.egress is None or req.egress in node.egress_contexts
+
+
 def _not_draining(req: Requirements, node: NodeSnapshot) -> bool:
     return not node.draining
 
@@ -73,10 +77,11 @@ STATIC_CHECKS: tuple[tuple[str, Callable[[Requirements, NodeSnapshot], bool]], .
     (reasons.NO_PROTOCOL, _speaks_protocol),
     (reasons.NO_LABELS, _carries_labels),
     (reasons.NO_CAPABILITY, _has_capabilities),
+    (reasons.NO_EGRESS, _provides_egress),
     (reasons.ALL_DRAINING, _not_draining),
 )
 
-GroupKey = tuple[str, str, frozenset[str], int, int, frozenset[str], bool]
+GroupKey = tuple[str, str, frozenset[str], int, int, frozenset[str], bool, frozenset[str]]
 
 
 def group_key(node: NodeSnapshot) -> GroupKey:
@@ -95,6 +100,7 @@ def group_key(node: NodeSnapshot) -> GroupKey:
         node.protocol_max,
         node.capabilities,
         node.draining,
+        node.egress_contexts,
     )
 
 
