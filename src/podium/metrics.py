@@ -51,7 +51,7 @@ RELEASE_PROOFS = Counter(
 )
 IMAGE_RESOLUTIONS = Counter(
     "podium_image_resolutions_total",
-    "Image tags resolved to digests by the resolver loop, by outcome: resolved, unreachable (retried), "
-    "not_found or refused (the task failed).",
+    "Image tags the resolver loop asked about, per task, by outcome: resolved, unreachable (retried later), "
+    "failed (no such image, or credentials refused: the task failed).",
     ["outcome"],
 )

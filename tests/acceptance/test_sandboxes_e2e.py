@@ -74,6 +74,9 @@ def test_show_gives_every_attempt_of_a_process_task_its_failure_class(cluster: C
         # in `podium show`: the attempt history's CLASS column
         row = _attempt_row(text, 1)
         assert row[3:5] == [attempt["state"], cls], row
+        # and in its event history, on the end
+        last = [line.split() for line in text.split("\nevents", 1)[1].splitlines() if line.strip()][-1]
+        assert last[2] == state and cls in last, last
     d, text = _show(srv.api, api.wait_state(ok, "succeeded", 60)["id"])
     assert d["attempt_list"][0]["failure_class"] is None
     assert _attempt_row(text, 1)[3] == "exited" and "exit" not in _attempt_row(text, 1)[4:5]
@@ -183,3 +186,49 @@ def test_a_container_attempt_holds_its_capacity_until_its_node_proves_the_sandbo
     assert DIGEST in text
     for n in (open_only, box):
         n.close()
+
+
+def test_run_with_an_image_and_bad_input_in_one_clear_line(cluster: Cluster) -> None:
+    srv = cluster.server()
+    api = cluster.api
+    bad = cli(srv.api, "run", "--image", "Team/App:1.4", "--", "true")
+    assert bad.returncode == 1 and "image" in bad.stderr and "not an image reference" in bad.stderr
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    bad = cli(srv.api, "run", "--image", "busybox", "--egress", "closed", "--", "true")
+    assert bad.returncode == 1 and "egress" in bad.stderr and "'none' or 'open'" in bad.stderr
+    bad = cli(srv.api, "run", "--egress", "none", "--", "true")
+    assert bad.returncode == 1 and "egress none is only for the container backend" in bad.stderr
+    bad = cli(srv.api, "run")
+    assert bad.returncode == 1 and "needs a command" in bad.stderr
+    assert api.http.get("/v1/tasks").json() == []  # nothing of it was stored
+
+    # an image with no command runs the image's own; by digest, it is pinned without a registry
+    tid = cli(srv.api, "run", "--detach", "--image", f"busybox@{DIGEST}", "--egress", "open").stdout.strip()
+    t = wait_for(lambda: (t := api.task(tid))["image_digest"] and t, 30, what="the digest pinned")
+    assert (t["spec"]["backend"], t["spec"]["command"], t["spec"]["egress"], t["image"]) == (
+        "container", [], "open", f"busybox@{DIGEST}")
+    assert t["state"] == "queued"
+    d, text = _show(srv.api, tid)
+    assert f"digest:   {DIGEST}" in text and "(the image's own)" in text
+
+
+def test_a_container_assign_that_cannot_be_sent_frees_its_capacity_at_once(cluster: Cluster) -> None:
+    """Its secret was deleted before the Assign: the node never got anything, so there is nothing for
+    it to prove removed — the capacity is released with the end."""
+    srv = cluster.server()
+    api = cluster.api
+    assert api.http.put("/v1/secrets/db-password", json={"value": "hunter2"}).status_code == 201
+    tid = api.submit(backend="container", image=f"busybox@{DIGEST}", secrets=[{"name": "db-password", "env": "PW"}],
+                     max_attempts=1)["id"]  # fmt: skip
+    assert api.http.delete("/v1/secrets/db-password").status_code == 204
+    box = _container_node(cluster, "box", slots=1)
+    try:
+        t = api.wait_state(tid, "failed", 60)
+        assert t["reason"] == reasons.SECRET_MISSING
+        (attempt,) = t["attempt_list"]
+        assert (attempt["failure_class"], attempt["released"]) == ("provisioning", True)
+        assert attempt["release_proof"] == {"by": "server", "reason": reasons.SECRET_MISSING}
+        node = api.wait_node("box", 30)
+        assert (node["reserved"]["slots"], node["releasing"]["slots"]) == (0, 0)
+    finally:
+        box.close()

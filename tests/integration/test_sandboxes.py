@@ -431,3 +431,18 @@ async def test_an_inventory_moves_placement_to_the_node_holding_the_digest(store
     assert (await placed(store, first))[0] == "a"
     plain = await submit(store)
     assert (await placed(store, plain))[0] == "b"
+
+
+async def test_pruning_keeps_a_task_whose_sandbox_still_holds_capacity(store: Store) -> None:
+    await add_node(store, "n1", slots=2)
+    held = await submit(store, container=True)
+    freed = await submit(store, container=True)
+    for tid, ref in ((held, "h"), (freed, "f")):
+        node, tok = await running(store, tid, ref=ref)
+        assert await report(store, tid, node, tok, policy.EXITED, 0)
+    assert await proof(store, freed, (await store.get_task(freed))["fencing_token"], "n1", "f")
+    async with store.pool.acquire() as c:
+        await c.execute("UPDATE tasks SET finished_at = now() - interval '30 days'")
+    assert await store.prune_finished(86400, 100) == 1
+    assert (await store.get_task(held))["state"] == "succeeded"
+    assert await slots(store, "n1") == 1  # still accounted for by the attempt that will release it

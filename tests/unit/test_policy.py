@@ -163,3 +163,5 @@ def test_only_a_node_known_gone_releases_a_sandbox_without_its_proof() -> None:
     for step in (policy.on_node_event(f(S.RUNNING), policy.EXITED, 0, T), policy.on_accept_overdue(f(S.ASSIGNED)),
                  policy.on_cancel_grace(f(S.CANCELLING))):  # fmt: skip
         assert step is not None and not step.release
+    # an Assign that never left the server (its secret is gone) left nothing on the node to prove removed
+    assert policy.on_secret_missing().release

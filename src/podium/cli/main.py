@@ -543,11 +543,11 @@ def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> N
             if a.get("finished_at") and not a.get("released", True):
                 out.print(f"  attempt {a['attempt']}: its capacity is held until its sandbox is proven removed")
     t = Table(title="events", box=None, title_justify="left")
-    for col in ("AT", "FROM", "TO", "TOKEN", "BY", "REASON"):
+    for col in ("AT", "FROM", "TO", "TOKEN", "BY", "CLASS", "REASON"):
         t.add_column(col)
     for e in d["events"]:
         t.add_row(_t(e["at"]), e["from_state"] or "", e["to_state"], "" if e["fencing_token"] is None else str(e["fencing_token"]),
-                  e["actor"], e["reason"] or "")  # fmt: skip
+                  e["actor"], e.get("failure_class") or "", e["reason"] or "")  # fmt: skip
     out.print(t)
 
 

@@ -186,8 +186,10 @@ def on_invariant_broken() -> Step:
 
 def on_secret_missing() -> Step:
     """A secret the task names was deleted before its Assign could carry it: its sandbox cannot be
-    prepared anywhere."""
-    return Step(S.FAILED, reasons.SECRET_MISSING, end_attempt=A.REVOKED, failure_class=failures.PROVISIONING)
+    prepared anywhere. The Assign never left the server, so nothing of the attempt exists on the node
+    to prove removed: its capacity is released with the end."""
+    return Step(S.FAILED, reasons.SECRET_MISSING, end_attempt=A.REVOKED, failure_class=failures.PROVISIONING,
+                release=True)  # fmt: skip
 
 
 def _stopped(

@@ -360,8 +360,11 @@ WHERE t.state IN ('assigned', 'provisioning', 'running')
 LIMIT $1
 
 -- prune_finished --
+-- (never a task whose sandbox still holds capacity: its attempt is what releases it, once proven gone)
 DELETE FROM tasks WHERE id IN (
-    SELECT id FROM tasks WHERE finished_at < now() - make_interval(secs => $1) LIMIT $2)
+    SELECT id FROM tasks t WHERE t.finished_at < now() - make_interval(secs => $1)
+      AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = t.id AND NOT a.released)
+    LIMIT $2)
 
 -- latest_named_spec --
 SELECT * FROM named_specs WHERE name = $1 ORDER BY revision DESC LIMIT 1
@@ -433,7 +436,7 @@ WITH d AS (
 ), proved AS (
     UPDATE attempts a SET
         release_proof = jsonb_build_object('by', 'node', 'backend_ref', d.backend_ref,
-                                           'released_at', to_timestamp(d.released_at)),
+                                           'released_at', CASE WHEN d.released_at > 0 THEN to_timestamp(d.released_at) END),
         released = a.finished_at IS NOT NULL,
         released_at = CASE WHEN a.finished_at IS NOT NULL THEN now() END
     FROM d
