@@ -352,7 +352,10 @@ def _validate(body: dict[str, Any]) -> dict[str, Any]:
 
 @app.command(context_settings={"allow_interspersed_args": False})
 def run(
-    command: Annotated[list[str], typer.Argument(help="the command and its arguments, after --")],
+    command: Annotated[list[str] | None, typer.Argument(help="the command and its arguments, after --; with --image, "
+                                                             "the container's command (none: the image's own)")] = None,
+    image: Annotated[str | None, typer.Option(help="run this container image (registry/team/app:1.4) instead of a process")] = None,
+    egress: Annotated[str | None, typer.Option(help="the network the task needs: none or open")] = None,
     cpu: Annotated[str | None, typer.Option(help="CPU: cores (0.5, 2) or millicores (500m)")] = None,
     memory: Annotated[str | None, typer.Option(help="memory: 512Mi, 2G, or bytes")] = None,
     label: Annotated[list[str], typer.Option("--label", "-l", help="a node label the task requires, key=value")] = [],  # noqa: B006
@@ -374,8 +377,12 @@ def run(
     detach: Annotated[bool, typer.Option("--detach", "-d", help="print the task id and return")] = False,
     server: ServerOpt = None,
 ) -> None:
-    """Run a command on the fleet, stream its output, and exit with its exit code."""
-    body: dict[str, Any] = {"command": command}
+    """Run a command (or a container image) on the fleet, stream its output, and exit with its exit code."""
+    body: dict[str, Any] = {"command": list(command or [])}
+    if image is not None:
+        body.update(backend="container", image=image)
+    if egress is not None:
+        body["egress"] = egress
     if cpu is not None:
         body.setdefault("resources", {})["cpu"] = _parse(parse_cpu, cpu, "--cpu")
         body["resources"]["cpu"] = f"{body['resources']['cpu']}m"
@@ -563,10 +570,15 @@ def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> N
         name = d.get("last_node_name") if d.get("last_node_id") == node else None
         where = f"{escape(name)} ({escape(node)})" if name else escape(node)
         out.print(f"  {'node:' if d['node_id'] else 'ran on:':<9} {where}", highlight=False)
+    if d.get("reason_detail"):
+        out.print(f"  detail:   {d['reason_detail']}", markup=False, highlight=False)
     if d["exit_code"] is not None:
         out.print(f"  exit:     {d['exit_code']}")
     spec = d["spec"]
-    cmd = " ".join(spec.get("command") or []) or spec.get("image") or ""
+    if d.get("image"):
+        out.print(f"  image:    {d['image']}", markup=False, highlight=False)
+        out.print(f"  digest:   {d.get('image_digest') or 'not resolved yet'}", markup=False, highlight=False)
+    cmd = " ".join(spec.get("command") or []) or ("(the image's own)" if d.get("image") else "")
     out.print(f"  command:  {cmd}", markup=False, highlight=False)
     res = spec.get("resources", {})
     out.print(f"  needs:    cpu {format_cpu(parse_cpu(res.get('cpu', '0m')))}, memory {format_size(int(res.get('memory', 0)))}"
@@ -575,19 +587,25 @@ def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> N
     out.print(f"  attempts: {d['attempts']} of {d['max_attempts']}")
     if d["attempt_list"]:
         t = _Table(title="attempts", box=None, title_justify="left")
-        for col in ("#", "NODE", "TOKEN", "STATE", "ASSIGNED", "STARTED", "FINISHED", "EXIT", "REASON"):
+        for col in ("#", "NODE", "TOKEN", "STATE", "CLASS", "ASSIGNED", "STARTED", "FINISHED", "EXIT", "REASON"):
             t.add_column(col)
         for a in d["attempt_list"]:
-            t.add_row(str(a["attempt"]), a["node_id"], str(a["fencing_token"]), a["state"], _t(a["assigned_at"]),
-                      _t(a["started_at"]), _t(a["finished_at"]), "" if a["exit_code"] is None else str(a["exit_code"]),
-                      a["reason"] or "")  # fmt: skip
+            t.add_row(str(a["attempt"]), a["node_id"], str(a["fencing_token"]), a["state"], a.get("failure_class") or "",
+                      _t(a["assigned_at"]), _t(a["started_at"]), _t(a["finished_at"]),
+                      "" if a["exit_code"] is None else str(a["exit_code"]), a["reason"] or "")  # fmt: skip
         out.print(t)
+        for a in d["attempt_list"]:
+            # the node's or engine's own words, beside the reason rather than in it
+            if a.get("failure_detail"):
+                out.print(f"  attempt {a['attempt']}: {a['failure_detail']}", markup=False, highlight=False)
+            if a.get("finished_at") and not a.get("released", True):
+                out.print(f"  attempt {a['attempt']}: its capacity is held until its sandbox is proven removed")
     t = _Table(title="events", box=None, title_justify="left")
-    for col in ("AT", "FROM", "TO", "TOKEN", "BY", "REASON"):
+    for col in ("AT", "FROM", "TO", "TOKEN", "BY", "CLASS", "REASON"):
         t.add_column(col)
     for e in d["events"]:
         t.add_row(_t(e["at"]), e["from_state"] or "", e["to_state"], "" if e["fencing_token"] is None else str(e["fencing_token"]),
-                  e["actor"], e["reason"] or "")  # fmt: skip
+                  e["actor"], e.get("failure_class") or "", e["reason"] or "")  # fmt: skip
     out.print(t)
 
 
@@ -637,14 +655,18 @@ def nodes(
         _more(listing, json_out)
         return
     t = _Table(box=None)
-    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAINING", "CPU", "MEMORY", "SLOTS", "LABELS"):
+    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAINING", "CPU", "MEMORY", "SLOTS", "RELEASING", "EGRESS", "LIMITS", "LABELS"):
         t.add_column(col)
     for n in rows:
         a, r = n["allocatable"], n["reserved"]
+        rel = n.get("releasing") or {}
         # health beside connected: a connected node is not a healthy one (a frozen agent's stream stays open)
         t.add_row(n["id"], n["name"], _health(n["health"]), "yes" if n["connected"] else "no", "yes" if n["draining"] else "",
                   f"{format_cpu(r['cpu_millis'])}/{format_cpu(a['cpu_millis'])}",
                   f"{format_size(r['memory_bytes'])}/{format_size(a['memory_bytes'])}", f"{r['slots']}/{a['slots']}",
+                  # capacity still held by ended attempts whose sandboxes are not proven removed yet
+                  f"{rel['slots']} ({format_cpu(rel['cpu_millis'])}, {format_size(rel['memory_bytes'])})" if rel.get("slots") else "",
+                  ",".join(n.get("egress_contexts") or []), "enforced" if n.get("enforces_limits") else "",
                   ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())))  # fmt: skip
     out.print(t)
     _more(listing, json_out)
