@@ -25,7 +25,7 @@ from podium.api.app import create_app
 from podium.pressure import DEFAULT_MAX_LAG, Pressure
 from podium.gateway.service import Gateway
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
-from podium.scheduler.resolver import ImageResolver, ResolveImage, no_registry_client
+from podium.scheduler.resolver import ImageResolver, ResolveImage, registry_http_client
 from podium.scheduler.service import Scheduler
 from podium.security.secretbox import SecretBox, load_key
 from podium.security.service import Security
@@ -65,7 +65,7 @@ class PodiumServer:
         self.cfg = config
         self.timing = timing or timing_from_env()
         # how image tags become digests: the registry's HTTP API v2 (tests of the loop pass their own)
-        self.resolve_image = resolve_image or no_registry_client
+        self.resolve_image = resolve_image or registry_http_client
         self.server_id = config.server_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.embedded: EmbeddedPostgres | None = None
         self.store: Store | None = None

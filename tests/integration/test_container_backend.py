@@ -29,7 +29,7 @@ from podium.agent.backends import (
     StartFailed,
 )
 from podium.agent.backends.container import LABEL_NODE, ContainerBackend
-from tests.engine import TEST_IMAGE, Engine, engine  # noqa: F401 - `engine` is a fixture
+from tests.engine import TEST_IMAGE, Engine
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,17 +13,19 @@ import dataclasses
 import json
 import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 from podium import failures, reasons
 from podium.errors import ImageNotFound, RegistryCredentialsRefused, RegistryError, RegistryUnreachable
-from podium.scheduler.resolver import ImageResolver, backoff, is_loopback
+from podium.scheduler.resolver import ImageResolver, backoff, is_loopback, registry_http_client
 from podium.scheduler.service import Scheduler
 from podium.security.secretbox import SecretBox
 from podium.security.service import REGISTRY_PREFIX, Security
 from podium.spec import TaskSpec
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
+from tests.registry import RegistryServer, free_port, note_image
 
 # Retries due at once, so a test waits on nothing: the backoff itself is checked on the stored time.
 TIMING = dataclasses.replace(DEFAULT_TIMING, registry_retry=0.0, registry_retry_max=0.0)
@@ -220,3 +222,38 @@ async def test_a_malformed_answer_is_not_pinned(store: Store) -> None:
     task = await store.get_task(tid)
     assert (task["state"], task["image_digest"], task["reason"]) == ("queued", None, reasons.REGISTRY_UNREACHABLE)
     assert "no usable digest" in task["reason_detail"]
+
+
+# ---- the server's registry client: the real HTTP API v2 client behind the seam, a real registry ----
+
+
+async def test_the_servers_registry_client_asks_the_real_registry(registry: RegistryServer) -> None:
+    """The seam's default (what PodiumServer uses unless a test passes its own) resolves a pushed tag
+    with the stored login, and tells refused credentials, a missing tag and a registry that is down
+    as the three errors the loop turns into sentences, the registry's words kept."""
+    from podium.server import PodiumServer, ServerConfig
+
+    assert PodiumServer(ServerConfig(data_dir=Path("unused"))).resolve_image is registry_http_client
+    repo = registry.unique_repo()
+    digest = registry.push(repo, "1.0", note_image("resolver"))
+    image = f"{registry.host}/{repo}:1.0"
+    got = await registry_http_client(image, registry.credentials, insecure=True, timeout=10)
+    assert got == digest
+    try:
+        await registry_http_client(image, None, insecure=True, timeout=10)
+    except RegistryCredentialsRefused as e:
+        assert "authentication required" in e.detail
+    else:
+        raise AssertionError("a registry demanding a login resolved without one")
+    try:
+        await registry_http_client(f"{registry.host}/{repo}:nope", registry.credentials, insecure=True, timeout=10)
+    except ImageNotFound as e:
+        assert "manifest unknown" in e.detail
+    else:
+        raise AssertionError("a missing tag resolved")
+    try:
+        await registry_http_client(f"127.0.0.1:{free_port()}/{repo}:1.0", None, insecure=True, timeout=5)
+    except RegistryUnreachable as e:
+        assert "127.0.0.1" in e.detail
+    else:
+        raise AssertionError("a registry nobody listens for resolved")

@@ -13,7 +13,8 @@ What a registry answers becomes a sentence on the task:
   `REGISTRY_REFUSED`), the registry's words beside the reason.
 
 The call to the registry is a seam (`ResolveImage`): the loop is tested against real PostgreSQL with
-a stand-in registry answer, and the real HTTP API v2 client is plugged in by the server.
+a stand-in registry answer; the server plugs in `registry_http_client` (podium.registry's HTTP API v2
+client), tested against a real registry.
 
 This module must never hold a row lock across a registry call (a claim is a short lease, not a
 lock), never write a task it has not re-checked (every write is conditional on the task being still
@@ -69,6 +70,29 @@ async def no_registry_client(image: str, credentials: tuple[str, str] | None, *,
     (server.py): every tag is "cannot be reached", so such tasks wait, queued, saying why. Images
     already pinned by digest never get here."""
     raise RegistryUnreachable("this server has no registry client to resolve image tags with")
+
+
+async def registry_http_client(
+    image: str, credentials: tuple[str, str] | None, *, insecure: bool, timeout: float
+) -> str:
+    """What the server resolves tags with: the registry's HTTP API v2 (podium.registry), its errors
+    translated into the ones this loop tells as sentences, the registry's own words kept as detail."""
+    from podium import registry as v2
+    from podium.images import parse_image
+
+    try:
+        ref = parse_image(image)
+    except ValueError as e:
+        # admission refuses malformed references; one stored before that check cannot be pulled either
+        raise ImageNotFound(str(e)) from None
+    try:
+        return await v2.resolve(ref, credentials, timeout=timeout, insecure=insecure)
+    except v2.RegistryCredentialsRefused as e:
+        raise RegistryCredentialsRefused(e.words) from None
+    except v2.ImageNotFound as e:
+        raise ImageNotFound(e.words) from None
+    except v2.RegistryError as e:
+        raise RegistryUnreachable(f"{e.registry}: {e.words}") from None
 
 
 @dataclass(frozen=True, slots=True)
