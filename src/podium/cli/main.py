@@ -145,6 +145,8 @@ def agent(
     ca_file: Annotated[Path | None, typer.Option(help="verify the server with this CA (PEM); implies TLS")] = None,
     cert: Annotated[Path | None, typer.Option(help="client certificate (PEM) for mutual TLS")] = None,
     key: Annotated[Path | None, typer.Option(help="client key (PEM) for mutual TLS")] = None,
+    backend: Annotated[list[str], typer.Option("--backend", help="what this node runs: process, container; repeatable (default: process)")] = [],  # noqa: B006
+    container_host: Annotated[str | None, typer.Option(help="the container engine's API (unix:///run/podman/podman.sock, tcp://…); default DOCKER_HOST, else the engine's default socket")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run an agent: join a server (PODIUM_JOIN_TOKEN the first time) and run what it assigns."""
@@ -153,6 +155,12 @@ def agent(
     from podium.timing import timing_from_env
 
     _setup_logging(verbose)
+    backends = list(dict.fromkeys(b.strip().lower() for b in backend if b.strip())) or ["process"]
+    unknown = [b for b in backends if b not in ("process", "container")]
+    if unknown:
+        raise CliError(f"--backend {unknown[0]!r} is not a backend; use --backend process and/or --backend container")
+    if container_host is not None and "container" not in backends:
+        raise CliError("--container-host is for the container backend; add --backend container")
     sdir = state_dir or (default_data_dir() / "agent")
     labels = _labels(label)
     cfg = AgentConfig(
@@ -178,6 +186,8 @@ def agent(
         # fault-injection knobs for the test suite; named TEST so nobody mistakes them for features
         drop_assigns=os.environ.get("PODIUM_TEST_AGENT_DROP_ASSIGNS") == "1",
         provision_delay=float(os.environ.get("PODIUM_TEST_AGENT_PROVISION_DELAY", "0")),
+        backends=backends,
+        container_host=container_host or None,
     )
     node = Agent(cfg, facts.node_id(sdir), timing_from_env())
 
@@ -205,6 +215,7 @@ def dev(
     grpc_port: Annotated[int, typer.Option(help="port the local agent connects to")] = 8643,
     data_dir: Annotated[Path | None, typer.Option(help="data directory (default: the user data dir)")] = None,
     demo: Annotated[bool, typer.Option(help="submit a first task and show it running")] = False,
+    containers: Annotated[bool, typer.Option("--containers", help="the local agent also runs container tasks while an engine is reachable (DOCKER_HOST, else the default socket)")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Everything on this machine in one command: embedded PostgreSQL, a server and one local agent."""
@@ -235,7 +246,7 @@ def dev(
         join = (ddir / "join-token").read_text().strip() if (ddir / "join-token").exists() else ""
         agent_proc = subprocess.Popen(
             [sys.executable, "-m", "podium", "agent", "--server", f"127.0.0.1:{grpc_port}", "--name", "local",
-             "--state-dir", str(ddir / "agent")],
+             "--state-dir", str(ddir / "agent")] + (["--backend", "process", "--backend", "container"] if containers else []),
             env={**os.environ, "PODIUM_JOIN_TOKEN": join, "PODIUM_LOG_LEVEL": "DEBUG" if verbose else "WARNING"},
         )  # fmt: skip
         out.print(f"[bold green]Podium is running[/] (server and one local agent, data in {escape(str(ddir))})")
@@ -655,7 +666,7 @@ def nodes(
         _more(listing, json_out)
         return
     t = _Table(box=None)
-    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAINING", "CPU", "MEMORY", "SLOTS", "RELEASING", "EGRESS", "LIMITS", "LABELS"):
+    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAINING", "CPU", "MEMORY", "SLOTS", "RELEASING", "BACKENDS", "EGRESS", "LIMITS", "LABELS"):
         t.add_column(col)
     for n in rows:
         a, r = n["allocatable"], n["reserved"]
@@ -666,7 +677,8 @@ def nodes(
                   f"{format_size(r['memory_bytes'])}/{format_size(a['memory_bytes'])}", f"{r['slots']}/{a['slots']}",
                   # capacity still held by ended attempts whose sandboxes are not proven removed yet
                   f"{rel['slots']} ({format_cpu(rel['cpu_millis'])}, {format_size(rel['memory_bytes'])})" if rel.get("slots") else "",
-                  ",".join(n.get("egress_contexts") or []), "enforced" if n.get("enforces_limits") else "",
+                  ",".join(n.get("backends") or []), ",".join(n.get("egress_contexts") or []),
+                  "enforced" if n.get("enforces_limits") else "",
                   ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())))  # fmt: skip
     out.print(t)
     _more(listing, json_out)

@@ -1,5 +1,5 @@
 """The one small interface every way of running a task implements (the shape of Nomad's task driver
-verbs): fingerprint, start, wait, stop, destroy, recover.
+verbs): fingerprint, prepare, start, wait, stop, destroy, recover.
 
 The agent's loop talks only to this interface, so it never knows whether a task is a process group
 or a container. A backend owns its sandboxes and nothing else: it never decides a task's state, never
@@ -152,6 +152,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def fingerprint(self) -> Fingerprint:
         """Is it usable now, and what does it offer (limits, egress contexts, artifacts held)?"""
+
+    async def prepare(self, spec: RunSpec) -> None:
+        """Get ready what `start` needs (pull the image) while the attempt is still provisioning,
+        before the server's Accepted; raise StartFailed if it cannot be. Nothing runs yet."""
 
     @abc.abstractmethod
     async def start(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> Handle:

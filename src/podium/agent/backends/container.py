@@ -169,7 +169,22 @@ class ContainerBackend(Backend):
             await self.fingerprint()
         return bool(self._enforces_limits)
 
+    @property
+    def engine_url(self) -> str:
+        """The engine as another process (the fence keeper) should reach it: the explicit URL, or
+        "env" for DOCKER_HOST and the default socket, read there as here."""
+        return self.host or "env"
+
     # ---- start ---------------------------------------------------------------------------------
+
+    async def prepare(self, spec: RunSpec) -> None:
+        # the pull: the slow part of provisioning, done before the attempt may start
+        if not spec.image:
+            raise StartFailed(FAILURE_PROVISIONING, "a container task needs an image")
+        try:
+            await asyncio.to_thread(self._ensure_image, spec)
+        except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
+            raise StartFailed(FAILURE_PROVISIONING, f"pull {spec.image}: {_engine_words(e)}") from e
 
     async def start(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> Handle:
         # the sandbox has its own filesystem: the node's workdir is not mounted into it
