@@ -362,7 +362,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
             task_id=task["id"], state=task["state"], reason=task["reason"], node_id=task["node_id"],
             nodes=[VerdictOut(node_id=v.node_id, name=row["name"] if row else v.node_id, fits=v.failed is None,
                               failed=v.failed, score=v.score, avoided=v.node_id in avoid,
-                              health=row["health"] if row else None) for v, row in verdicts],
+                              health=row["health"] if row else None, holds=list(v.holds)) for v, row in verdicts],
         )  # fmt: skip
 
     @app.get("/v1/tasks/{task_id}/events", response_model=list[EventOut], responses={**_ERRORS, 200: {"headers": _PAGE_HEADERS}})

@@ -161,6 +161,7 @@ class VerdictOut(BaseModel):
     score: float | None  # higher is better, when it fits
     avoided: bool  # an earlier attempt of this task failed there
     health: str | None = None  # online | unreachable | offline, as the node's heartbeats say
+    holds: list[str] = []  # the preferred artifacts (its pinned image digest first) the node holds: tried first
 
 
 class ExplainOut(BaseModel):

@@ -711,7 +711,8 @@ def explain(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -
         t.add_column(col)
     for n in d["nodes"]:
         t.add_row(n["node_id"], n["name"], _health(n.get("health") or ""), Text("yes", style="green") if n["fits"] else Text("no", style="red"),
-                  "" if n["score"] is None else f"{n['score']:.2f}" + (" (avoided: failed there before)" if n["avoided"] else ""),
+                  "" if n["score"] is None else f"{n['score']:.2f}" + (" (avoided: failed there before)" if n["avoided"] else "")
+                  + (f" (holds {n['holds'][0][:19]}…: tried first)" if n.get("holds") and n["score"] is not None else ""),
                   n["failed"] or "")  # fmt: skip
     out.print(t)
 

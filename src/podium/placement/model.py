@@ -188,6 +188,9 @@ class NodeVerdict:
     node_id: str
     failed: str | None  # the reason of the first check this node failed, or None if it fits
     score: float | None  # its score when it fits
+    # the preferred artifacts (the task's pinned image digest first) this node holds: placement
+    # tries such nodes before any other (locality), whatever their score
+    holds: tuple[str, ...] = ()
 
 
 
