@@ -365,13 +365,18 @@ class ContainerBackend(Backend):
 
     def _remove(self, cid: str) -> None:
         api = self.control.api
-        with contextlib.suppress(docker.errors.NotFound):
+        try:
             api.remove_container(cid, force=True, v=True)
+        except docker.errors.APIError as e:
+            if not _no_such_container(e):
+                raise
         # the proof is the engine saying it no longer knows the container
         try:
             api.inspect_container(cid)
-        except docker.errors.NotFound:
-            return
+        except docker.errors.APIError as e:
+            if _no_such_container(e):
+                return
+            raise
         raise RuntimeError(f"container {cid[:12]} still exists after removal")
 
     # ---- recover -------------------------------------------------------------------------------
@@ -421,6 +426,12 @@ def pull_auth(image: str, auth: RegistryAuth | None) -> dict[str, str] | None:
     if not _same_registry(auth.registry, registry):
         return None
     return {"username": auth.username, "password": auth.password, "serveraddress": registry}
+
+
+def _no_such_container(e: docker.errors.APIError) -> bool:
+    """The engine no longer knows the container: a 404, or podman's 500 "no such container" while
+    another removal of it is under way."""
+    return isinstance(e, docker.errors.NotFound) or "no such container" in _engine_words(e).lower()
 
 
 def _engine_words(e: BaseException) -> str:
