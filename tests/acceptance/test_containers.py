@@ -127,6 +127,8 @@ def test_an_image_runs_from_the_registry_with_its_login_pinned_streamed_and_prov
     row = node_row(api, "box")
     assert (row["reserved"]["slots"], row["releasing"]["slots"]) == (0, 0)
     assert containers(engine, agent.node_id()) == []
+    # the pull changed what the node holds: it told the server (an Inventory)
+    wait_for(lambda: digest in node_row(api, "box")["artifacts"], 60, what="the digest in the node's inventory")
 
 
 def test_a_registry_that_is_down_keeps_the_task_queued_then_it_runs(
@@ -339,3 +341,19 @@ def test_release_proof_frees_capacity_only_after_removal(cluster: Cluster, engin
     assert t["state"] == "succeeded" and not exists(engine, c.id)
     row = node_row(api, "box")
     assert (row["reserved"]["slots"], row["releasing"]["slots"]) == (0, 0)
+
+
+def test_container_is_offered_only_while_the_engine_answers(cluster: Cluster, engine: Engine, tmp_path: Any) -> None:
+    """The agent's engine socket is a symlink the test makes and removes: the node's backends follow
+    within a few heartbeats (a new Hello), and what the engine holds arrives with it."""
+    cluster.server()
+    api = cluster.api
+    link = tmp_path / "engine.sock"
+    cluster.agent("flaky", extra_args=["--backend", "process", "--backend", "container", "--container-host", f"unix://{link}"])
+    node = api.wait_node("flaky", 60, connected=True)
+    assert node["backends"] == ["process"] and node["egress_contexts"] == ["open"]
+    link.symlink_to(engine.url.removeprefix("unix://"))
+    node = wait_for(lambda: "container" in (n := node_row(api, "flaky"))["backends"] and n, 60, what="container offered")
+    assert node["egress_contexts"] == ["none", "open"] and node["artifacts"], node
+    link.unlink()
+    wait_for(lambda: node_row(api, "flaky")["backends"] == ["process"], 60, what="container withdrawn")

@@ -97,15 +97,19 @@ class ContainerBackend(Backend):
 
     # ---- clients -------------------------------------------------------------------------------
 
-    def _client(self, timeout: float | None) -> docker.DockerClient:
+    def _probe(self) -> None:
+        """Connect to a unix socket engine afresh: raise OSError if nothing listens there now."""
         url = self.host or os.environ.get("DOCKER_HOST") or docker.constants.DEFAULT_UNIX_SOCKET
         path = url.removeprefix("http+unix://").removeprefix("unix://")
         if path != url:
-            # the SDK asks the engine's version as it is made and, when the socket refuses, leaks
-            # the socket it tried: try it ourselves first, and say plainly what is not there
             with socket.socket(socket.AF_UNIX) as s:
                 s.settimeout(CONTROL_TIMEOUT)
                 s.connect(path)
+
+    def _client(self, timeout: float | None) -> docker.DockerClient:
+        # the SDK asks the engine's version as it is made and, when the socket refuses, leaks the
+        # socket it tried: try it ourselves first, and say plainly what is not there
+        self._probe()
         if self.host:
             return docker.DockerClient(base_url=self.host, timeout=timeout)  # type: ignore[arg-type]
         return docker.from_env(timeout=timeout)  # type: ignore[arg-type]
@@ -137,6 +141,17 @@ class ContainerBackend(Backend):
             return Fingerprint(kind=KIND, available=False, detail=f"no container engine reachable: {e}")
 
     def _fingerprint(self) -> Fingerprint:
+        # a fresh connection, not the pooled one: an engine whose socket is gone (stopped, moved) takes
+        # no new work even while an old connection still answers
+        try:
+            self._probe()
+        except OSError:
+            # made anew once the engine is back; the blocking client is only dropped, not closed:
+            # output streams of running containers may still be read through it
+            if self._control is not None:
+                self._control.close()
+            self._control = self._blocking = None
+            raise
         api = self.control.api
         api.ping()
         version = api.version()
