@@ -645,7 +645,7 @@ class Agent:
         )  # fmt: skip
         runners = [a.runner for a in self.attempts.values() if a.runner is not None and not a.runner.done()]
         if runners:
-            await asyncio.wait(runners, timeout=self.kill_grace + 10)
+            await asyncio.wait(runners, timeout=self.kill_grace + 5)
         self.fence.close()
         for backend in self.backends.values():
             with contextlib.suppress(Exception):
