@@ -57,6 +57,7 @@ BACKOFF_MIN = 0.2
 BACKOFF_MAX = 10.0
 FINGERPRINT_EVERY = 10.0  # seconds at most between two looks at whether each backend still works
 FINGERPRINT_MIN = 1.0  # seconds at least between them, however fast the heartbeat
+FINGERPRINT_TIMEOUT = 10.0  # seconds a backend has to say whether it works (or list what it left)
 PROOF_RESEND_FOR = 600.0  # seconds a release proof is sent again on each new stream (repeats change nothing)
 MAX_PROOFS = 10_000  # release proofs kept for sending again, the oldest go first
 # the classes a node may report for an end; a stop's class (cancelled, timeout) is the server's to name
@@ -249,7 +250,9 @@ class Agent:
         after: dict[str, Fingerprint] = {}
         for kind, backend in self.backends.items():
             try:
-                after[kind] = await backend.fingerprint()
+                after[kind] = await asyncio.wait_for(backend.fingerprint(), FINGERPRINT_TIMEOUT)
+            except TimeoutError:
+                after[kind] = Fingerprint(kind=kind, available=False, detail=f"no answer within {FINGERPRINT_TIMEOUT:g}s")
             except Exception as e:  # a backend that cannot say is not available
                 after[kind] = Fingerprint(kind=kind, available=False, detail=str(e))
             if before.get(kind) is None or before[kind].available != after[kind].available:
@@ -293,7 +296,7 @@ class Agent:
             if not self.fingerprints.get(kind, Fingerprint(kind, False)).available:
                 continue
             try:
-                found = await backend.recover()
+                found = await asyncio.wait_for(backend.recover(), FINGERPRINT_TIMEOUT)
             except Exception as e:
                 log.warning("backend %s: cannot list what an earlier agent left (%s)", kind, e)
                 continue
