@@ -5,6 +5,8 @@ place of the registry HTTP API v2 client, which is built in another branch and i
 against a real registry. Everything on this side of that seam is real: the claim, the backoff, the
 digest pinned on the task, the dispatch claim that skips a container task until it is pinned, the
 Assign that carries `repository@digest`, the task failed with the registry's words beside its reason.
+The last test puts the server's own client (`registry_http_client`) behind the seam against a real
+registry.
 """
 
 from __future__ import annotations
