@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
 import threading
 import uuid
@@ -357,3 +358,37 @@ def test_container_is_offered_only_while_the_engine_answers(cluster: Cluster, en
     assert node["egress_contexts"] == ["none", "open"] and node["artifacts"], node
     link.unlink()
     wait_for(lambda: node_row(api, "flaky")["backends"] == ["process"], 60, what="container withdrawn")
+
+
+def test_an_agent_cut_off_has_its_container_killed_before_the_task_moves(
+    cluster: Cluster, engine: Engine, registry: RegistryServer
+) -> None:
+    """The agent frozen (SIGSTOP): its fence keeper, still running, kills the container through the
+    engine when the lease runs out — before the server may place the task elsewhere."""
+    srv = cluster.server()
+    api = cluster.api
+    login(srv, registry)
+    a = container_agent(cluster, engine, "a", labels={"x": "1"})
+    repo = registry.unique_repo()
+    registry.push(repo, "1", busybox_image("cut off"))
+    tid = api.submit(backend="container", image=f"{registry.host}/{repo}:1", command=["sh", "-c", "sleep 20; echo finished"],
+                     labels={"x": "1"}, max_attempts=3)["id"]  # fmt: skip
+    first = api.wait_state(tid, "running", 120)
+    a_id = a.node_id()
+    wait_for(lambda: containers(engine, a_id, running=True), 30, what="the container running")
+    a.signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: containers(engine, a_id, running=True) == [], 30, what="the fence to kill the container")
+        assert api.task(tid)["fencing_token"] == first["fencing_token"]  # not given away before that
+        b = container_agent(cluster, engine, "b", labels={"x": "1"}, slots=1)
+        second = wait_for(lambda: (t := api.task(tid))["state"] == "running" and t["node_id"] == b.node_id() and t,
+                          120, what="the task running on b")  # fmt: skip
+        assert second["fencing_token"] > first["fencing_token"]
+    finally:
+        a.signal(signal.SIGCONT)
+    t = api.wait_state(tid, ENDED, 120)
+    assert t["state"] == "succeeded" and [x["state"] for x in t["attempt_list"]] == ["lost", "exited"]
+    assert stdout_of(api, tid, 2) == "finished\n"
+    # a, thawed, removes what the fence stopped: nothing of its is left on the engine
+    wait_for(lambda: containers(engine, a_id) == [], 60, what="a to remove its fenced container")
+    assert_at_most_one_attempt_at_once([a, b])
