@@ -14,7 +14,10 @@ import contextlib
 import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -24,7 +27,7 @@ import pytest
 from podium import reasons
 from tests.acceptance.conftest import Cluster
 from tests.engine import Engine, running_engine
-from tests.harness import Agent, Api, Server, assert_at_most_one_attempt_at_once, cli, wait_for
+from tests.harness import Agent, Api, Server, assert_at_most_one_attempt_at_once, base_env, cli, free_port, wait_for
 from tests.registry import RegistryServer, busybox_image
 
 pytestmark = pytest.mark.timeout(300)
@@ -339,6 +342,7 @@ def test_release_proof_frees_capacity_only_after_removal(cluster: Cluster, engin
         if t["state"] in ENDED and t["attempt_list"][-1]["released"]:
             break
         assert samples < 100_000
+        time.sleep(0.01)
     assert t["state"] == "succeeded" and not exists(engine, c.id)
     row = node_row(api, "box")
     assert (row["reserved"]["slots"], row["releasing"]["slots"]) == (0, 0)
@@ -392,3 +396,29 @@ def test_an_agent_cut_off_has_its_container_killed_before_the_task_moves(
     # a, thawed, removes what the fence stopped: nothing of its is left on the engine
     wait_for(lambda: containers(engine, a_id) == [], 60, what="a to remove its fenced container")
     assert_at_most_one_attempt_at_once([a, b])
+
+
+def test_dev_with_containers_offers_them_through_docker_host(engine: Engine, tmp_path: Any) -> None:
+    """`podium dev --containers`: the local agent runs containers from the engine DOCKER_HOST names."""
+    port, grpc_port = free_port(), free_port()
+    env = base_env(DOCKER_HOST=engine.url, XDG_DATA_HOME=str(tmp_path / "xdg"), HOME=str(tmp_path))
+    env.pop("PODIUM_DATABASE_URL", None)
+    env.pop("PODIUM_TOKEN", None)
+    with open(tmp_path / "dev.log", "ab") as log:
+        p = subprocess.Popen([sys.executable, "-m", "podium", "dev", "--containers", "--data-dir", str(tmp_path / "data"),
+                              "--port", str(port), "--grpc-port", str(grpc_port)],
+                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        admin = wait_for(lambda: (tmp_path / "data" / "admin-token").exists() and (tmp_path / "data" / "admin-token").read_text().strip(),
+                         60, what="podium dev to start")  # fmt: skip
+        with Api(f"http://127.0.0.1:{port}", token=admin) as api:
+            node = wait_for(lambda: next((n for n in api.nodes() if n["name"] == "local" and "container" in n["backends"]), None),
+                            60, what="the local agent offering containers")  # fmt: skip
+            assert set(node["backends"]) == {"process", "container"} and "none" in node["egress_contexts"]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
