@@ -65,13 +65,6 @@ class ResolveImage(Protocol):
     ) -> Awaitable[str]: ...
 
 
-async def no_registry_client(image: str, credentials: tuple[str, str] | None, *, insecure: bool, timeout: float) -> str:
-    """What the server resolves tags with until the registry HTTP API v2 client is wired in its place
-    (server.py): every tag is "cannot be reached", so such tasks wait, queued, saying why. Images
-    already pinned by digest never get here."""
-    raise RegistryUnreachable("this server has no registry client to resolve image tags with")
-
-
 async def registry_http_client(
     image: str, credentials: tuple[str, str] | None, *, insecure: bool, timeout: float
 ) -> str:
