@@ -281,7 +281,11 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._look_again.wait(), timeout=every)
             self._look_again.clear()
-            availability, artifacts = await self._fingerprint()
+            try:
+                availability, artifacts = await self._fingerprint()
+            except Exception:  # never let one bad look end the looking
+                log.exception("fingerprinting the backends failed")
+                continue
             if availability:
                 self._rehello.set()
             elif artifacts and self._outq is not None:
