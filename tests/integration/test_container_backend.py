@@ -315,15 +315,21 @@ async def test_prepare_pulls_from_the_real_registry_with_its_login_only(
     digest = registry.push(repo, "1.0", image)
     pinned = f"{registry.host}/{repo}@{digest}"
     with pytest.raises(StartFailed) as ei:
-        await backend.prepare(spec("true", image=pinned))
+        await backend.prepare(spec("true", image=pinned), {}, Path("/nonexistent"))
     assert ei.value.failure_class == FAILURE_PROVISIONING
     assert "authentication required" in ei.value.message or "unauthorized" in ei.value.message.lower(), ei.value.message
     # another registry's login is never sent: the same refusal
     other = RegistryAuth("registry.example.com", *registry.credentials)
     with pytest.raises(StartFailed):
-        await backend.prepare(spec("true", image=pinned, registry_auth=other))
+        await backend.prepare(spec("true", image=pinned, registry_auth=other), {}, Path("/nonexistent"))
     login = RegistryAuth(registry.host, *registry.credentials)
-    await backend.prepare(spec("true", image=pinned, registry_auth=login))
+    prepared = spec("true", image=pinned, registry_auth=login)
+    await backend.prepare(prepared, {}, Path("/nonexistent"))
     assert digest in (await backend.fingerprint()).artifacts
+    # created while provisioning, not started; discarded, it is gone
+    (made,) = engine.client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={backend.node_id}"})  # type: ignore[attr-defined]
+    assert made.status == "created"
+    proof = await backend.discard(prepared)
+    assert proof.ref == made.id and gone(engine, made.id)
     out, res, _h = await run(backend, spec("cat", "/etc/podium-image", image=pinned))
     assert out.text("stdout").startswith("pull ") and res.exit_code == 0  # type: ignore[attr-defined]

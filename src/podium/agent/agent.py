@@ -537,6 +537,7 @@ class Agent:
         backend = self.backends.get(kind)
         workdir = self.workdir / f"{a.task_id}-{a.token}"
         handle: Handle | None = None
+        run_spec: RunSpec | None = None
         try:
             if backend is None or not self.fingerprints.get(kind, Fingerprint(kind, kind == "process")).available:
                 # placed here on an offer this node no longer makes: another node may do it
@@ -548,7 +549,7 @@ class Agent:
             if self.cfg.provision_delay:
                 await asyncio.sleep(self.cfg.provision_delay)
             try:
-                await backend.prepare(run_spec)  # the pull: part of provisioning, before Accepted
+                await backend.prepare(run_spec, env, workdir)  # the pull and the create, before Accepted
                 if kind == "container":
                     self._look_again.set()  # an image may have arrived: tell the server what is held
                 # Start only once the server has recorded that this node accepted: an assignment revoked
@@ -607,17 +608,23 @@ class Agent:
             with contextlib.suppress(OSError):
                 shutil.rmtree(workdir)
             if kind == "container" and backend is not None:
-                await self._release(a, backend, handle)
+                await self._release(a, backend, handle, run_spec)
 
-    async def _release(self, a: Attempt, backend: Backend, handle: Handle | None) -> None:
+    async def _release(self, a: Attempt, backend: Backend, handle: Handle | None, spec: RunSpec | None) -> None:
         """Remove a container attempt's sandbox and prove it gone: only the proof frees its capacity.
-        With no handle nothing was made (a failed pull or create leaves no container behind)."""
+        Never started: what provisioning made (if anything) is discarded (a failed pull or create
+        leaves no container behind)."""
         try:
-            proof = await backend.destroy(handle) if handle is not None else ReleaseProof("", datetime.now(UTC))
+            if handle is not None:
+                proof = await backend.destroy(handle)
+            elif spec is not None:
+                proof = await backend.discard(spec)
+            else:
+                proof = ReleaseProof("", datetime.now(UTC))
         except Exception as e:  # no proof: the capacity stays held; a restarted agent removes it
             log.warning("task %s: cannot remove its container (%s); its capacity stays held", a.task_id, e)
             return
-        if handle is not None:
+        if proof.ref:
             self._journal(ev="removed", task=a.task_id, token=a.token, ref=proof.ref)
         self._prove(a.task_id, a.token, proof)
 

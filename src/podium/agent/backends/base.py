@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -153,9 +153,15 @@ class Backend(abc.ABC):
     async def fingerprint(self) -> Fingerprint:
         """Is it usable now, and what does it offer (limits, egress contexts, artifacts held)?"""
 
-    async def prepare(self, spec: RunSpec) -> None:
-        """Get ready what `start` needs (pull the image) while the attempt is still provisioning,
-        before the server's Accepted; raise StartFailed if it cannot be. Nothing runs yet."""
+    async def prepare(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> None:
+        """Get ready what `start` needs (pull the image, create the container) while the attempt is
+        still provisioning, before the server's Accepted; raise StartFailed if it cannot be. Nothing
+        runs yet."""
+
+    async def discard(self, spec: RunSpec) -> ReleaseProof:
+        """Remove what `prepare` made for an attempt that never started, and prove it gone (the ref
+        is empty when nothing was made)."""
+        return ReleaseProof(ref="", at=datetime.now(UTC))
 
     @abc.abstractmethod
     async def start(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> Handle:

@@ -94,6 +94,8 @@ class ContainerBackend(Backend):
         # container silent for minutes is not an engine failure
         self._blocking: docker.DockerClient | None = None
         self._enforces_limits: bool | None = None
+        # containers created while provisioning, by (task, token), until started or discarded
+        self._prepared: dict[tuple[str, int], _State] = {}
 
     # ---- clients -------------------------------------------------------------------------------
 
@@ -192,24 +194,40 @@ class ContainerBackend(Backend):
 
     # ---- start ---------------------------------------------------------------------------------
 
-    async def prepare(self, spec: RunSpec) -> None:
-        # the pull: the slow part of provisioning, done before the attempt may start
-        if not spec.image:
-            raise StartFailed(FAILURE_PROVISIONING, "a container task needs an image")
-        try:
-            await asyncio.to_thread(self._ensure_image, spec)
-        except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
-            raise StartFailed(FAILURE_PROVISIONING, f"pull {spec.image}: {_engine_words(e)}") from e
-
-    async def start(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> Handle:
-        # the sandbox has its own filesystem: the node's workdir is not mounted into it
-        del workdir
+    def _check(self, spec: RunSpec) -> None:
         if not spec.image:
             raise StartFailed(FAILURE_PROVISIONING, "a container task needs an image")
         if spec.egress not in (EGRESS_NONE, EGRESS_OPEN):
             raise StartFailed(FAILURE_PROVISIONING, f"unknown egress context {spec.egress!r}")
+
+    async def prepare(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> None:
+        # the pull and the create: provisioning, done before the attempt may start; `start` then
+        # only starts the container made here (`discard` removes it if it never starts)
+        del workdir
+        self._check(spec)
         limits = await self.enforces_limits()
-        state = await asyncio.to_thread(self._create_and_start, spec, dict(env), limits)
+        try:
+            state = await asyncio.to_thread(self._create, spec, dict(env), limits)
+        except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
+            raise StartFailed(FAILURE_PROVISIONING, f"pull {spec.image}: {_engine_words(e)}") from e
+        self._prepared[(spec.task_id, spec.token)] = state
+
+    async def discard(self, spec: RunSpec) -> ReleaseProof:
+        state = self._prepared.pop((spec.task_id, spec.token), None)
+        if state is None:
+            return ReleaseProof(ref="", at=datetime.now(UTC))
+        await asyncio.to_thread(self._remove, state.container_id)
+        return ReleaseProof(ref=state.container_id, at=datetime.now(UTC))
+
+    async def start(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> Handle:
+        # the sandbox has its own filesystem: the node's workdir is not mounted into it
+        del workdir
+        self._check(spec)
+        state = self._prepared.pop((spec.task_id, spec.token), None)
+        if state is None:
+            limits = await self.enforces_limits()
+            state = await asyncio.to_thread(self._create, spec, dict(env), limits)
+        await asyncio.to_thread(self._start, state)
         state.chunks = asyncio.Queue()
         loop = asyncio.get_running_loop()
         state.reader = threading.Thread(
@@ -246,7 +264,7 @@ class ContainerBackend(Backend):
         except docker.errors.APIError as e:
             raise StartFailed(FAILURE_PROVISIONING, f"pull {spec.image}: {_engine_words(e)}") from e
 
-    def _create_and_start(self, spec: RunSpec, env: dict[str, str], limits: bool) -> _State:
+    def _create(self, spec: RunSpec, env: dict[str, str], limits: bool) -> _State:
         assert spec.image is not None
         api = self.control.api
         self._ensure_image(spec)
@@ -281,8 +299,11 @@ class ContainerBackend(Backend):
             )
         except docker.errors.APIError as e:
             raise StartFailed(FAILURE_PROVISIONING, f"create: {_engine_words(e)}") from e
-        cid = created["Id"]
-        state = _State(container_id=cid, memory_limited=memory_limited)
+        return _State(container_id=created["Id"], memory_limited=memory_limited)
+
+    def _start(self, state: _State) -> None:
+        api = self.control.api
+        cid = state.container_id
         try:
             # attached before start, so the first line a container writes is not lost
             state.stream = self.blocking.api.attach(cid, stdout=True, stderr=True, stream=True, logs=True, demux=True)
@@ -292,7 +313,6 @@ class ContainerBackend(Backend):
             with contextlib.suppress(docker.errors.APIError):
                 api.remove_container(cid, force=True)
             raise StartFailed(FAILURE_PROVISIONING, f"start: {_engine_words(e)}") from e
-        return state
 
     # ---- output --------------------------------------------------------------------------------
 
