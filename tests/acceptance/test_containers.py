@@ -422,3 +422,22 @@ def test_dev_with_containers_offers_them_through_docker_host(engine: Engine, tmp
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(10)
+
+
+def test_a_container_cancelled_while_provisioning_never_starts_and_is_removed(
+    cluster: Cluster, engine: Engine, registry: RegistryServer
+) -> None:
+    srv = cluster.server()
+    api = cluster.api
+    login(srv, registry)
+    agent = container_agent(cluster, engine, "slow", extra_env={"PODIUM_TEST_AGENT_PROVISION_DELAY": "3"})
+    repo = registry.unique_repo()
+    registry.push(repo, "1", busybox_image("never"))
+    tid = api.submit(backend="container", image=f"{registry.host}/{repo}:1", command=["echo", "started"])["id"]
+    api.wait_state(tid, "provisioning", 60)
+    assert cli(srv.api, "cancel", tid).returncode == 0
+    t = api.wait_state(tid, ENDED, 60)
+    assert t["state"] == "cancelled" and stdout_of(api, tid) == ""
+    wait_for(lambda: api.task(tid)["attempt_list"][-1]["released"], 60, what="the release proof")
+    assert containers(engine, agent.node_id()) == []
+    assert not [e for e in agent.journal_entries() if e["ev"] == "start"]
