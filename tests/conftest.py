@@ -21,6 +21,9 @@ import pytest
 from podium.store import Store
 from podium.store.embedded import EmbeddedPostgres
 
+# The real container engine and the real registry, each started once per session on first use.
+pytest_plugins = ["tests.engine", "tests.registry"]
+
 PG15_URL = os.environ.get("PODIUM_TEST_PG15_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 # One template per test session: two sessions on one server (a developer's and CI's, or parallel
 # runs) must never drop each other's template.

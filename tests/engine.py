@@ -139,13 +139,20 @@ class PodmanService:
         conf += ['cgroup_manager = "cgroupfs"'] if cgroups else []
         conf += ["[network]", f'network_config_dir = "{base}/networks"']
         (base / "containers.conf").write_text("\n".join(conf) + "\n")
+        # Docker Engine speaks plain http to a registry on loopback by default; podman only to one
+        # listed as insecure. A location is a prefix ending at ':', so these cover every port: the
+        # suite's registries (tests/registry.py) listen on 127.0.0.1.
+        self.registries_conf = base / "registries.conf"
+        self.registries_conf.write_text(
+            '[[registry]]\nlocation = "127.0.0.1"\ninsecure = true\n\n[[registry]]\nlocation = "localhost"\ninsecure = true\n'
+        )
         self.log_path = base / "service.log"
         podman = shutil.which("podman") or "podman"
         script = (
             f"{prelude}exec {podman} --root {base}/storage --runroot {base}/run "
             f"system service --time=0 {self.url}"
         )
-        env = dict(os.environ, CONTAINERS_CONF=str(base / "containers.conf"))
+        env = dict(os.environ, CONTAINERS_CONF=str(base / "containers.conf"), CONTAINERS_REGISTRIES_CONF=str(self.registries_conf))
         env.pop("CONTAINER_HOST", None)
         env.pop("DOCKER_HOST", None)
         with open(self.log_path, "wb") as logf:

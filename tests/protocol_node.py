@@ -16,7 +16,9 @@ from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 
 class ProtocolNode:
     def __init__(self, gateway: str, node_id: str, credential: str, *, backends: tuple[str, ...] = ("process",),
-                 slots: int = 4, name: str | None = None) -> None:  # fmt: skip
+                 slots: int = 4, name: str | None = None, egress_contexts: tuple[str, ...] = (),
+                 enforces_limits: bool = False, artifacts: tuple[str, ...] = (),
+                 heartbeat: float | None = None) -> None:  # fmt: skip
         self.node_id = node_id
         self._out: queue.Queue[pb.AgentMessage | None] = queue.Queue()
         self.received: queue.Queue[pb.ServerMessage] = queue.Queue()
@@ -26,12 +28,23 @@ class ProtocolNode:
         hello = pb.Hello(
             node_id=node_id, name=name or node_id, credential=credential, backends=list(backends),
             capacity=pb.Resources(cpu_millis=4000, memory_bytes=8 * 2**30, disk_bytes=2**34, slots=slots),
-            protocol_min=1, protocol_max=1,
+            protocol_min=1, protocol_max=1, egress_contexts=list(egress_contexts), enforces_limits=enforces_limits,
+            artifacts=list(artifacts),
         )  # fmt: skip
         self._out.put(pb.AgentMessage(hello=hello))
         self._call = stub.Connect(self._requests())
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        self._closed = threading.Event()
+        if heartbeat:
+            # heartbeating as an agent does, so the node stays online for as long as a test needs it
+            threading.Thread(target=self._beat, args=(heartbeat,), daemon=True).start()
+
+    def _beat(self, every: float) -> None:
+        seq = 0
+        while self.error is None and not self._closed.wait(every):
+            seq += 1
+            self.send(pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq)))
 
     def _requests(self) -> Iterator[pb.AgentMessage]:
         while True:
@@ -75,5 +88,6 @@ class ProtocolNode:
         return self.error
 
     def close(self) -> None:
+        self._closed.set()
         self._out.put(None)
         self._channel.close()

@@ -9,7 +9,7 @@ image whenever it needs to.
 Under `CI=true` a missing `docker-registry` or `htpasswd` fails the tests that need it; elsewhere
 they are skipped with the reason. `scripts/test` installs both (and busybox-static) when it can.
 
-Use it from a test module with `from tests.registry import registry, registry_factory  # noqa: F401`.
+Its fixtures are registered suite-wide (tests/conftest.py, pytest_plugins).
 This module must never leave a registry process running after the session.
 """
 

@@ -9,7 +9,11 @@
     ├── Forbidden           — a valid credential that may not do this (403)
     ├── StoreUnavailable    — PostgreSQL cannot be reached; nothing was written
     ├── Overloaded          — the server sheds submissions until it catches up (429, Retry-After)
-    └── EmbeddedDatabaseError — the embedded PostgreSQL would not start
+    ├── EmbeddedDatabaseError — the embedded PostgreSQL would not start
+    └── RegistryError       — an image's registry did not resolve its tag; `.detail` is its own words
+        ├── RegistryUnreachable        — no answer (network, DNS, TLS, 5xx): try again later
+        ├── ImageNotFound              — the registry says there is no such image or tag
+        └── RegistryCredentialsRefused — the registry refused the credentials (or their absence)
 
 Driver errors are translated into these at the edge of the store, so nothing above it imports asyncpg.
 """
@@ -66,3 +70,23 @@ class Overloaded(PodiumError):
 
 class EmbeddedDatabaseError(PodiumError):
     """The embedded PostgreSQL did not start."""
+
+
+class RegistryError(PodiumError):
+    """The image's registry did not resolve the tag."""
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(detail or None)
+        self.detail = detail  # the registry's (or the network's) own words, stored beside the reason
+
+
+class RegistryUnreachable(RegistryError):
+    """The image's registry cannot be reached."""
+
+
+class ImageNotFound(RegistryError):
+    """The image does not exist in its registry."""
+
+
+class RegistryCredentialsRefused(RegistryError):
+    """The image's registry refused the credentials."""

@@ -44,3 +44,14 @@ LOOP_LAG_SECONDS = Histogram(
     "How late the server's event loop ran a callback due now: its backlog of ready work.",
     buckets=_FAST,
 )
+RELEASE_PROOFS = Counter(
+    "podium_release_proofs_total",
+    "Release proofs from nodes: accepted (recorded on their attempt) or refused (a repeat, a late or a foreign one).",
+    ["outcome"],
+)
+IMAGE_RESOLUTIONS = Counter(
+    "podium_image_resolutions_total",
+    "Image tags the resolver loop asked about, per task, by outcome: resolved, unreachable (retried later), "
+    "failed (no such image, or credentials refused: the task failed).",
+    ["outcome"],
+)

@@ -30,6 +30,7 @@ TOO_LARGE = "the task is larger than any node that could run it can ever hold"
 NO_DISK = "no online node has enough free disk for this task"
 NO_GPU = "no online node has enough free GPUs for this task"
 WAITING = "waiting for the scheduler to place this task"
+NO_EGRESS = "no online node can provide the network egress this task requires"
 
 # --- ended or requeued: what the promises say when they fire -----------------------------------------
 CANCELLED = "cancelled by an operator"
@@ -42,6 +43,9 @@ RETRYABLE_ERROR = "the node reported an error another node may not have"
 NODE_REVOKED = "the node was removed from the fleet"
 SECRET_MISSING = "a secret this task needs does not exist"
 SECRET_UNREADABLE = "a secret this task needs cannot be decrypted with this server's key"
+OOM = "the task ran out of memory"
+PROVISIONING_FAILED = "the node could not prepare the task's sandbox"
+NODE_ERROR = "the node failed to run the task"
 # another agent process took over the node's identity without this task; the task was given up
 # only once the process that ran it had certainly stopped it (its fence deadline)
 INSTANCE_REPLACED = "the agent process running this task was replaced by another one for the same node"
@@ -59,6 +63,7 @@ QUEUED_REASONS = (
     NO_PROTOCOL,
     NO_LABELS,
     NO_CAPABILITY,
+    NO_EGRESS,
     ALL_DRAINING,
     UNREACHABLE,
     TOO_LARGE,

@@ -26,6 +26,7 @@ from podium.api.ui import close as close_ui
 from podium.pressure import DEFAULT_MAX_LAG, Pressure
 from podium.gateway.service import Gateway
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
+from podium.scheduler.resolver import ImageResolver, ResolveImage, registry_http_client
 from podium.scheduler.service import Scheduler
 from podium.security.secretbox import SecretBox, load_key
 from podium.security.service import Security
@@ -61,9 +62,11 @@ class LoopDied(Exception):
 
 
 class PodiumServer:
-    def __init__(self, config: ServerConfig, timing: Timing | None = None) -> None:
+    def __init__(self, config: ServerConfig, timing: Timing | None = None, resolve_image: ResolveImage | None = None) -> None:
         self.cfg = config
         self.timing = timing or timing_from_env()
+        # how image tags become digests: the registry's HTTP API v2 (tests of the loop pass their own)
+        self.resolve_image = resolve_image or registry_http_client
         self.server_id = config.server_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.embedded: EmbeddedPostgres | None = None
         self.store: Store | None = None
@@ -116,6 +119,7 @@ class PodiumServer:
         scheduler = Scheduler(
             store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy, retention=self.cfg.retention
         )
+        resolver = ImageResolver(store, security, self.timing, resolve=self.resolve_image, server_id=self.server_id)
         # Node reports and heartbeats get a pool of their own: a burst of API traffic must never
         # make a healthy node look silent, or a prompt accept look late.
         self.liveness_store = await Store.connect(url, min_size=2, max_size=10)
@@ -158,7 +162,7 @@ class PodiumServer:
         api.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # we own the signals
 
         loops: dict[str, Callable[[], Awaitable[None]]] = {
-            **scheduler.tasks(), **gateway.tasks(), "api": api.serve, "server.lag": self._watch_loop_lag,
+            **scheduler.tasks(), **resolver.tasks(), **gateway.tasks(), "api": api.serve, "server.lag": self._watch_loop_lag,
         }  # fmt: skip
         tasks = {asyncio.create_task(fn(), name=name) for name, fn in loops.items()}
         stopper = asyncio.create_task(self._stop.wait(), name="stop")
@@ -193,6 +197,7 @@ class PodiumServer:
             await grpc_server.stop(grace=1)
             await gateway.close()
             await scheduler.close()
+            await resolver.close()
             await self.liveness_store.close()
             await self.beats_store.close()
             await self.reports_store.close()

@@ -20,6 +20,18 @@ _LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.\-/]{0,62}[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.\-/:]{0,128}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+# An image reference as Docker and the OCI distribution spec read one: [registry[:port]/]path[:tag][@digest],
+# path components lower case. The grammar of distribution/reference, written out.
+_DOMAIN_PART = r"(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]*[A-Za-z0-9])"
+_DOMAIN = rf"(?:{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?"
+_PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE = re.compile(
+    rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_PATH_PART}(?:/{_PATH_PART})*)"
+    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}))?$",
+    re.ASCII,
+)
+#: The network egress a task may require: none at all, or an open network.
+EGRESS_CONTEXTS = ("none", "open")
 
 MAX_ATTEMPTS_LIMIT = 100
 MAX_BATCH = 1000  # tasks in one batch submission
@@ -138,6 +150,9 @@ class TaskSpec(BaseModel):
     requeue_on_node_loss: bool = True
     priority: int = Field(default=0, ge=-1000, le=1000)
     secrets: list[SecretRef] = Field(default_factory=list, max_length=64)
+    egress: Literal["none", "open"] | None = Field(
+        default=None, description="the network the task needs: none (no network at all) or open; leave it out for no requirement"
+    )
 
     @field_validator("command")
     @classmethod
@@ -181,6 +196,16 @@ class TaskSpec(BaseModel):
                 raise ValueError(f"capability {c!r} is not valid; use letters, digits, '-', '_', '.'")
         return sorted(set(v))
 
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        if v is not None and not _IMAGE.match(v):
+            raise ValueError(
+                f"{v!r} is not an image reference; write it like registry.example.com/team/app:1.4, "
+                "busybox, or app@sha256:<digest> (path in lower case)"
+            )
+        return v
+
     @field_validator("timeout")
     @classmethod
     def _timeout(cls, v: float | None) -> float | None:
@@ -195,12 +220,33 @@ class TaskSpec(BaseModel):
                 raise ValueError("a process task needs a command: a non-empty list of arguments")
             if self.image is not None:
                 raise ValueError("image is only for the container backend; set backend to container or drop image")
+            if self.egress == "none":
+                raise ValueError(
+                    "egress none is only for the container backend: a process cannot be cut off from the network; "
+                    "use an image (backend container) or drop egress"
+                )
         elif not self.image:
             raise ValueError("a container task needs an image")
         envs = [s.env for s in self.secrets]
         if len(envs) != len(set(envs)):
             raise ValueError("two secrets are mapped to the same environment variable")
         return self
+
+
+def image_digest(image: str) -> str | None:
+    """The digest an image reference is already pinned to (`app@sha256:…`), or None for a tag."""
+    m = _IMAGE.match(image)
+    return m.group("digest") if m else None
+
+
+def pinned_image(image: str, digest: str) -> str:
+    """The reference that can only ever mean one image: the repository at `digest`, its tag dropped
+    (an engine would ignore the tag beside a digest anyway; leaving it out says so)."""
+    m = _IMAGE.match(image)
+    if m is None:
+        raise ValueError(f"{image!r} is not an image reference")
+    domain = m.group("domain")
+    return f"{domain}/{m.group('path')}@{digest}" if domain else f"{m.group('path')}@{digest}"
 
 
 class SubmitRequest(TaskSpec):

@@ -45,6 +45,10 @@ class Timing:
     kill_grace: float = 30.0
     # After a cancel, how long the server waits for the node before writing the end itself.
     cancel_grace: float = 60.0
+    # A registry that cannot be reached is asked again after this long, doubled per failed try up to
+    # registry_retry_max; the task waits queued meanwhile, with the reason.
+    registry_retry: float = 2.0
+    registry_retry_max: float = 60.0
     # How many queued tasks one dispatch tick considers. A batch size, not a duration.
     claim_limit: int = 512
     # How many assignments may wait for their node's "provisioning" at once, over the whole fleet.

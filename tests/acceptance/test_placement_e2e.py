@@ -30,7 +30,7 @@ def test_every_reason_with_a_real_agent(cluster: Cluster) -> None:
         reasons.NO_POOL: {"command": ["true"], "pool": "gpu-pool"},
         reasons.NO_ARCH: {"command": ["true"], "arch": "riscv64"},
         reasons.NO_CAPABILITY: {"command": ["true"], "capabilities": ["kvm"]},
-        reasons.NO_BACKEND: {"backend": "container", "image": "localhost/busybox:test"},
+        reasons.NO_BACKEND: {"backend": "container", "image": "localhost/busybox@sha256:" + "b" * 64},  # no tag to resolve
         reasons.NO_PROTOCOL: {"command": ["true"], "protocol": 2},
         reasons.HOME_UNAVAILABLE: {"command": ["true"], "home_node": "n-nowhere"},
         reasons.TOO_LARGE: {"command": ["true"], "resources": {"cpu": 64}},

@@ -169,7 +169,8 @@ def test_registry_logins_go_only_with_images_from_that_registry(cluster: Cluster
     node = ProtocolNode(srv.grpc, f"n-{uuid.uuid4().hex[:8]}", join, backends=("container",))
     node.next("welcome")
     api = cluster.api
-    api.submit(backend="container", image="registry.a.example:5000/team/app:1")
+    # pinned by digest: the server asks no registry before placing it (a tag would be resolved first)
+    api.submit(backend="container", image="registry.a.example:5000/team/app@sha256:" + "a" * 64)
     assign = node.next("assign").assign
     assert [(c.registry, c.username, c.password) for c in assign.registries] == [("registry.a.example:5000", "alice", "pw-alice")]
     node.close()

@@ -25,11 +25,13 @@ from podium.agent.backends import (
     FAILURE_PROVISIONING,
     FAILURE_TIMEOUT,
     Handle,
+    RegistryAuth,
     RunSpec,
     StartFailed,
 )
 from podium.agent.backends.container import LABEL_NODE, ContainerBackend
-from tests.engine import TEST_IMAGE, Engine, engine  # noqa: F401 - `engine` is a fixture
+from tests.engine import TEST_IMAGE, Engine
+from tests.registry import RegistryServer, busybox_image
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -301,3 +303,33 @@ async def test_a_pinned_reference_held_locally_runs_without_a_registry(backend: 
     out, res, h = await run(backend, spec("echo", "pinned", image=pinned))
     assert (res.exit_code, out.text("stdout")) == (0, "pinned\n")
     await backend.destroy(h)
+
+
+async def test_prepare_pulls_from_the_real_registry_with_its_login_only(
+    backend: ContainerBackend, engine: Engine, registry: RegistryServer  # noqa: F811
+) -> None:
+    """The pull happens in `prepare` (while provisioning), by digest, with the login for the image's
+    own registry; without the login the registry's refusal comes back in its words."""
+    image = busybox_image(f"pull {uuid.uuid4().hex}")
+    repo = registry.unique_repo()
+    digest = registry.push(repo, "1.0", image)
+    pinned = f"{registry.host}/{repo}@{digest}"
+    with pytest.raises(StartFailed) as ei:
+        await backend.prepare(spec("true", image=pinned), {}, Path("/nonexistent"))
+    assert ei.value.failure_class == FAILURE_PROVISIONING
+    assert "authentication required" in ei.value.message or "unauthorized" in ei.value.message.lower(), ei.value.message
+    # another registry's login is never sent: the same refusal
+    other = RegistryAuth("registry.example.com", *registry.credentials)
+    with pytest.raises(StartFailed):
+        await backend.prepare(spec("true", image=pinned, registry_auth=other), {}, Path("/nonexistent"))
+    login = RegistryAuth(registry.host, *registry.credentials)
+    prepared = spec("true", image=pinned, registry_auth=login)
+    await backend.prepare(prepared, {}, Path("/nonexistent"))
+    assert digest in (await backend.fingerprint()).artifacts
+    # created while provisioning, not started; discarded, it is gone
+    (made,) = engine.client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={backend.node_id}"})  # type: ignore[attr-defined]
+    assert made.status == "created"
+    proof = await backend.discard(prepared)
+    assert proof.ref == made.id and gone(engine, made.id)
+    out, res, _h = await run(backend, spec("cat", "/etc/podium-image", image=pinned))
+    assert out.text("stdout").startswith("pull ") and res.exit_code == 0  # type: ignore[attr-defined]

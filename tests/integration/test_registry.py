@@ -14,7 +14,7 @@ from podium import reasons
 from podium.images import parse_image
 from podium.registry import ImageNotFound, RegistryCredentialsRefused, RegistryUnreachable, resolve
 from tests.harness import free_port
-from tests.registry import MANIFEST_V2, RegistryServer, busybox_image, note_image, registry, registry_factory  # noqa: F401
+from tests.registry import MANIFEST_V2, RegistryServer, busybox_image, note_image
 
 
 async def test_resolve_with_credentials_gives_the_pushed_digest(registry: RegistryServer) -> None:

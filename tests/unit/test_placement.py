@@ -81,6 +81,9 @@ REASON_CASES = [
     ("label value", [node(labels={"zone": "b"})], req(labels={"zone": "a"}), reasons.NO_LABELS),
     ("label missing", [node()], req(labels={"zone": "a"}), reasons.NO_LABELS),
     ("capability", [node(capabilities=frozenset({"sgx"}))], req(capabilities=frozenset({"nvme"})), reasons.NO_CAPABILITY),
+    ("egress none", [node(egress_contexts=frozenset({"open"}))], req(egress="none"), reasons.NO_EGRESS),
+    ("egress open", [node(egress_contexts=frozenset({"none"}))], req(egress="open"), reasons.NO_EGRESS),
+    ("egress declared by nobody", [node(egress_contexts=frozenset())], req(egress="open"), reasons.NO_EGRESS),
     ("draining", [node(draining=True)], req(), reasons.ALL_DRAINING),
     ("too large: cpu", [node()], req(resources=replace(TASK, cpu_millis=4001)), reasons.TOO_LARGE),
     ("too large: memory", [node()], req(resources=replace(TASK, memory_bytes=9 * GIB)), reasons.TOO_LARGE),
@@ -115,6 +118,8 @@ STAGED_CASES = [
     # The reason is the stage at which the candidate set became empty: the latest any node reached.
     ("pool beats offline", [node("a", health="offline"), node("b", pool="x")], req(pool="y"), reasons.NO_POOL),
     ("full beats wrong pool", [node("a", pool="x"), node("b", reserved=Resources(slots=4))], req(pool="default"), reasons.FULL),
+    ("egress beats capabilities", [node("a", capabilities=frozenset({"x"})), node("b")], req(capabilities=frozenset({"x"}), egress="none"), reasons.NO_EGRESS),
+    ("draining beats egress", [node("a", draining=True, egress_contexts=frozenset({"none"})), node("b")], req(egress="none"), reasons.ALL_DRAINING),
     ("draining beats labels", [node("a", labels={"z": "1"}, draining=True), node("b")], req(labels={"z": "1"}), reasons.ALL_DRAINING),
     ("no room beats too large", [node("a", reserved=Resources(cpu_millis=4000)), node("b", allocatable=replace(BIG, cpu_millis=500))], req(), reasons.NO_ROOM),
     ("full beats no gpu", [node("a", gpu_free=()), node("b", reserved=Resources(slots=4))], req(resources=replace(TASK, gpus=1)), reasons.FULL),
@@ -148,6 +153,9 @@ PASS_CASES = [
     ("protocol at the top of the range", node(protocol_min=2, protocol_max=4), req(protocol=4)),
     ("extra node labels are fine", node(labels={"zone": "a", "rack": "7"}), req(labels={"zone": "a"})),
     ("extra capabilities are fine", node(capabilities=frozenset({"nvme", "sgx"})), req(capabilities=frozenset({"nvme"}))),
+    ("no egress requirement", node(egress_contexts=frozenset()), req(egress=None)),
+    ("one of the egress contexts", node(egress_contexts=frozenset({"none", "open"})), req(egress="none")),
+    ("a silent node gives an open network", node(), req(egress="open")),
     ("exactly the free cpu", node(reserved=Resources(cpu_millis=3000)), req()),
     ("exactly the free memory", node(reserved=Resources(memory_bytes=7 * GIB)), req()),
     ("exactly the free disk", node(reserved=Resources(disk_bytes=99 * GIB)), req()),
@@ -177,6 +185,7 @@ def test_group_key_covers_every_static_field_but_labels() -> None:
         ("capabilities", frozenset({"c"})),
         ("draining", True),
         ("health", "unreachable"),
+        ("egress_contexts", frozenset({"none"})),
     ]:
         assert group_key(replace(base, **{field_name: value})) != group_key(base), field_name
     assert group_key(replace(base, labels={"host": "h1"})) == group_key(base)
@@ -216,6 +225,7 @@ def test_shape_key_covers_every_static_requirement() -> None:
         ("protocol", 2),
         ("labels", {"a": "b"}),
         ("capabilities", frozenset({"c"})),
+        ("egress", "none"),
     ]:
         assert shape_key(replace(base, **{field_name: value})) != shape_key(base), field_name
 
@@ -400,6 +410,7 @@ def test_reserving_keeps_every_other_field() -> None:
         reserved=TASK,
         artifacts=frozenset({"a"}),
         gpu_free=(1, 0),
+        egress_contexts=frozenset({"none"}),
     )
     after = n.reserving(TASK, (1,))
     assert after == replace(n, reserved=TASK + TASK, gpu_free=(0,))
@@ -407,6 +418,7 @@ def test_reserving_keeps_every_other_field() -> None:
     assert [f.name for f in fields(NodeSnapshot)] == [
         "id", "name", "connected", "health", "draining", "pool", "arch", "labels", "capabilities",
         "backends", "protocol_min", "protocol_max", "allocatable", "reserved", "artifacts", "gpu_free",
+        "egress_contexts",
     ]  # fmt: skip
 
 
@@ -555,3 +567,22 @@ def test_nodes_an_earlier_attempt_failed_on_come_last_but_are_still_used() -> No
     only_a = [nodes[0]]
     assert select_node(retry, only_a).node_id == "a"  # type: ignore[union-attr]
     assert Placer(only_a).place(retry).node_id == "a"  # type: ignore[union-attr]
+
+
+def test_explain_names_the_egress_a_node_cannot_give() -> None:
+    """"Why not node X?" for a task that must run without a network: only a node whose sandboxes can
+    cut it off fits; the others fail the egress check, and the task's reason is that check."""
+    fleet = [
+        node("open-only", egress_contexts=frozenset({"open"})),
+        node("isolating", egress_contexts=frozenset({"none", "open"}), reserved=Resources(slots=4)),
+        node("silent"),
+    ]
+    r = req(egress="none")
+    verdicts = {v.node_id: v.failed for v in explain(r, fleet)}
+    assert verdicts == {"open-only": reasons.NO_EGRESS, "isolating": reasons.FULL, "silent": reasons.NO_EGRESS}
+    assert place_all_ways(r, fleet) == Unplaceable(reasons.FULL)
+    assert place_all_ways(r, [fleet[0], fleet[2]]) == Unplaceable(reasons.NO_EGRESS)
+    free = replace(fleet[1], reserved=Resources())
+    assert place_all_ways(r, [fleet[0], free, fleet[2]]) == Placement("isolating", (), 1.0)
+    # no requirement: every node's network will do
+    assert {v.node_id for v in explain(req(), fleet) if v.failed is None} == {"open-only", "silent"}

@@ -49,9 +49,10 @@ BACKENDS = [frozenset({"process"}), frozenset({"process", "docker"}), frozenset(
 ARTIFACT_SETS = [frozenset(), frozenset({"img-a"}), frozenset({"img-b"}), frozenset({"img-a", "img-b"}),
                  frozenset({"img-a", "img-b", "img-c"})]
 GPU_FREE = [(0, 1), (), (0,), (1,), (1, 0), (2, 0, 1), (3, 1), (0, 1, 2, 3)]
+EGRESS_SETS = [frozenset({"open"}), frozenset({"none", "open"}), frozenset({"none"}), frozenset()]
 PREFERRED = [(), (), (), ("img-a",), ("img-b", "img-a"), ("img-c",), ("img-a", "img-a", "img-c")]
 #: How a task may differ from the node it was modelled on: an attribute no node offers, or a home.
-TWISTS = ["pool", "arch", "labels", "capabilities", "backend", "protocol", "home", "home-elsewhere", "ghost"]
+TWISTS = ["pool", "arch", "labels", "capabilities", "backend", "protocol", "egress", "home", "home-elsewhere", "ghost"]
 
 policies = st.sampled_from([SPREAD, BINPACK])
 
@@ -91,6 +92,7 @@ def make_node(rnd: random.Random, node_id: str) -> NodeSnapshot:
         reserved=reserved,
         artifacts=rnd.choice(ARTIFACT_SETS),
         gpu_free=rnd.choice(GPU_FREE),
+        egress_contexts=usually(rnd, 0.6, frozenset({"open"}), *EGRESS_SETS),
     )
 
 
@@ -113,6 +115,7 @@ def make_requirements(rnd: random.Random, fleet: list[NodeSnapshot]) -> Requirem
         backend="vm" if twist == "backend" else min(target.backends),
         protocol=9 if twist == "protocol" else rnd.choice([target.protocol_min, target.protocol_max]),
         preferred_artifacts=rnd.choice(PREFERRED),
+        egress="closed" if twist == "egress" else rnd.choice([None, *sorted(target.egress_contexts)]) if exact else None,
         home_node=homes.get(twist),
         avoid_nodes=frozenset(rnd.sample(IDS, rnd.randint(1, 3))) if rnd.random() < 0.3 else frozenset(),
     )

@@ -115,3 +115,71 @@ def test_every_step_any_decider_returns_is_an_allowed_transition() -> None:
                 step = d(f(st, attempts=attempts, max_attempts=3))
                 if step is not None:
                     assert (st, step.to) in ALLOWED, (st, step)
+
+
+# ---- failure classes: every end says what kind of end it was -----------------------------------------
+
+from podium import failures  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "state,decide,to,cls,reason",
+    [
+        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 3, T), S.FAILED, failures.EXIT, reasons.EXITED_NONZERO),
+        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 0, T), S.SUCCEEDED, None, None),
+        (S.CANCELLING, lambda x: policy.on_node_event(f(S.CANCELLING, cancel_reason=reasons.TIMEOUT), policy.EXITED, 143, T),
+         S.FAILED, failures.TIMEOUT, reasons.TIMEOUT),
+        (S.CANCELLING, lambda x: policy.on_node_event(x, policy.EXITED, 143, T), S.CANCELLED, failures.CANCELLED, reasons.CANCELLED),
+        (S.CANCELLING, policy.on_cancel_grace, S.CANCELLED, failures.CANCELLED, reasons.CANCELLED),
+        (S.QUEUED, policy.on_cancel, S.CANCELLED, failures.CANCELLED, reasons.CANCELLED),
+        (S.RUNNING, lambda x: policy.on_node_loss(x, reasons.NODE_LOST), S.QUEUED, failures.NODE_LOST, reasons.NODE_LOST),
+        (S.RUNNING, lambda x: policy.on_node_event(x, policy.NOT_RUNNING, None, T), S.QUEUED, failures.NODE_LOST,
+         reasons.NODE_FORGOT),
+        (S.ASSIGNED, policy.on_accept_overdue, S.QUEUED, failures.NOT_ACCEPTED, reasons.NOT_ACCEPTED),
+        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 137, T, failure_class="oom"), S.FAILED, failures.OOM,
+         reasons.OOM),
+        (S.PROVISIONING, lambda x: policy.on_node_event(x, policy.FAILED_RETRYABLE, None, T, failure_class="provisioning"),
+         S.QUEUED, failures.PROVISIONING, reasons.PROVISIONING_FAILED),
+        (S.PROVISIONING, lambda x: policy.on_node_event(x, policy.EXITED, 1, T, failure_class="provisioning"),
+         S.FAILED, failures.PROVISIONING, reasons.PROVISIONING_FAILED),
+        (S.RUNNING, lambda x: policy.on_node_event(x, policy.FAILED_RETRYABLE, None, T), S.QUEUED, failures.INTERNAL,
+         reasons.RETRYABLE_ERROR),
+        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 1, T, failure_class="internal"), S.FAILED,
+         failures.INTERNAL, reasons.NODE_ERROR),
+        # a node may not call its own end a timeout or a node loss, nor a class this server does not know
+        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 1, T, failure_class="timeout"), S.FAILED,
+         failures.INTERNAL, reasons.NODE_ERROR),
+        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 1, T, failure_class="cosmic-ray"), S.FAILED,
+         failures.INTERNAL, reasons.NODE_ERROR),
+        (S.RUNNING, lambda x: policy.on_invariant_broken(), S.FAILED, failures.INTERNAL, reasons.NO_LEASE),
+        (S.ASSIGNED, lambda x: policy.on_undeliverable(x, policy.SECRET_GONE), S.FAILED, failures.PROVISIONING, reasons.SECRET_MISSING),
+    ],
+)
+def test_each_end_carries_its_class(state: TaskState, decide, to: TaskState, cls, reason) -> None:  # type: ignore[no-untyped-def]
+    step = decide(f(state, attempts=1, max_attempts=3))
+    assert step is not None and (step.to, step.failure_class, step.reason) == (to, cls, reason)
+
+
+def test_the_nodes_words_go_beside_the_reason() -> None:
+    s = policy.on_node_event(f(S.RUNNING), policy.EXITED, 137, T, failure_class="oom", message=" OOMKilled: memory limit 64MiB ")
+    assert s and s.reason == reasons.OOM and s.detail == "OOMKilled: memory limit 64MiB"
+    long = policy.on_node_event(f(S.RUNNING), policy.FAILED_RETRYABLE, None, T, message="x" * 10_000)
+    assert long and long.detail is not None and len(long.detail) == failures.DETAIL_LIMIT
+    assert policy.on_node_event(f(S.RUNNING), policy.EXITED, 2, T, message="").detail is None  # type: ignore[union-attr]
+
+
+def test_only_a_node_known_gone_releases_a_sandbox_without_its_proof() -> None:
+    """The node-loss policy frees a container's capacity with its end only when the node holds
+    nothing any more (offline and fenced, removed, or it said so); an expired lease on a node that
+    still talks does not, nor does any other end."""
+    for why, release in ((reasons.NODE_LOST, True), (reasons.NODE_REVOKED, True), (reasons.NODE_FORGOT, True),
+                         (reasons.LEASE_EXPIRED, False)):  # fmt: skip
+        s = policy.on_node_loss(f(S.RUNNING, attempts=1, max_attempts=2), why)
+        assert s and s.release is release, why
+        c = policy.on_node_loss(f(S.CANCELLING, cancel_reason=reasons.CANCELLED), why)
+        assert c and c.release is release and c.failure_class == failures.CANCELLED, why
+    for step in (policy.on_node_event(f(S.RUNNING), policy.EXITED, 0, T), policy.on_accept_overdue(f(S.ASSIGNED)),
+                 policy.on_cancel_grace(f(S.CANCELLING))):  # fmt: skip
+        assert step is not None and not step.release
+    # an Assign that never left the server (its secret is gone) left nothing on the node to prove removed
+    assert policy.on_undeliverable(f(S.ASSIGNED), policy.SECRET_GONE).release  # type: ignore[union-attr]

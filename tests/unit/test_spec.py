@@ -22,6 +22,12 @@ def test_spec_round_trips_through_its_stored_json() -> None:
         ({"command": ["x"], "bogus": 1}, "bogus", "Extra inputs"),
         ({"command": ["x"], "env": {"1X": "y"}}, "env", "not a valid environment variable"),
         ({"backend": "container"}, "", "needs an image"),
+        ({"backend": "container", "image": "Team/App"}, "image", "not an image reference"),
+        ({"backend": "container", "image": "app:"}, "image", "not an image reference"),
+        ({"backend": "container", "image": "app@sha256:12"}, "image", "not an image reference"),
+        ({"backend": "container", "image": "app", "egress": "closed"}, "egress", "'none' or 'open'"),
+        ({"command": ["x"], "egress": "none"}, "", "egress none is only for the container backend"),
+        ({"command": ["x"], "image": "busybox"}, "", "image is only for the container backend"),
     ],
 )
 def test_bad_specs_name_the_field_and_the_problem(body: dict, field: str, words: str) -> None:
@@ -36,3 +42,36 @@ def test_bad_specs_name_the_field_and_the_problem(body: dict, field: str, words:
 def test_idempotency_key_is_not_part_of_the_spec() -> None:
     req = SubmitRequest(command=["true"], idempotency_key="abc")
     assert "idempotency_key" not in req.task_spec().model_dump()
+
+
+@pytest.mark.parametrize(
+    "image",
+    ["busybox", "busybox:1.36", "library/busybox", "registry.example.com/team/app:1.4", "localhost:5000/app",
+     "127.0.0.1:5000/a/b-c_d.e:v1.2-rc", "[::1]:5000/x:1", "app@sha256:" + "a" * 64, "app:tag@sha256:" + "b" * 64],
+)
+def test_good_image_references_are_accepted(image: str) -> None:
+    spec = TaskSpec(backend="container", image=image)
+    assert spec.image == image and spec.command == []
+
+
+def test_egress_is_optional_and_open_is_fine_for_a_process() -> None:
+    assert TaskSpec(command=["x"]).egress is None
+    assert TaskSpec(command=["x"], egress="open").egress == "open"
+    assert TaskSpec(backend="container", image="app", egress="none").egress == "none"
+
+
+@pytest.mark.parametrize(
+    "image,digest,pinned",
+    [
+        ("busybox", None, "busybox@sha256:" + "c" * 64),
+        ("registry.example.com/team/app:1.4", None, "registry.example.com/team/app@sha256:" + "c" * 64),
+        ("localhost:5000/app", None, "localhost:5000/app@sha256:" + "c" * 64),
+        ("[::1]:5000/x:1", None, "[::1]:5000/x@sha256:" + "c" * 64),
+        ("app:t@sha256:" + "b" * 64, "sha256:" + "b" * 64, "app@sha256:" + "c" * 64),
+    ],
+)
+def test_an_image_is_pinned_to_its_repository_at_a_digest(image: str, digest: str | None, pinned: str) -> None:
+    from podium.spec import image_digest, pinned_image
+
+    assert image_digest(image) == digest
+    assert pinned_image(image, "sha256:" + "c" * 64) == pinned

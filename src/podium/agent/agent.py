@@ -21,13 +21,29 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
 
 from podium import __version__
+from podium.agent.backends.base import (
+    EGRESS_OPEN,
+    FAILURE_CANCELLED,
+    FAILURE_EXIT,
+    FAILURE_INTERNAL,
+    FAILURE_OOM,
+    FAILURE_PROVISIONING,
+    Backend,
+    Fingerprint,
+    Handle,
+    RegistryAuth,
+    ReleaseProof,
+    RunSpec,
+    StartFailed,
+)
+from podium.agent.backends.process import ProcessBackend
 from podium.agent.fence import FenceKeeper
-from podium.agent.process_backend import ProcessRun
 from podium.security.masking import Masker
 from podium.security.secretbox import write_private
 from podium.proto.podium.v1 import agent_pb2 as pb
@@ -41,6 +57,13 @@ MAX_BUFFERED = 100_000  # messages kept while no server is reachable; the oldest
 MAX_UNACKED_LOG_BYTES = 64 * 2**20  # per attempt: output kept until a server has stored it
 BACKOFF_MIN = 0.2
 BACKOFF_MAX = 10.0
+FINGERPRINT_EVERY = 10.0  # seconds at most between two looks at whether each backend still works
+FINGERPRINT_MIN = 1.0  # seconds at least between them, however fast the heartbeat
+FINGERPRINT_TIMEOUT = 10.0  # seconds a backend has to say whether it works (or list what it left)
+PROOF_RESEND_FOR = 600.0  # seconds a release proof is sent again on each new stream (repeats change nothing)
+MAX_PROOFS = 10_000  # release proofs kept for sending again, the oldest go first
+# the classes a node may report for an end; a stop's class (cancelled, timeout) is the server's to name
+_REPORTED_CLASSES = frozenset({FAILURE_EXIT, FAILURE_OOM, FAILURE_PROVISIONING, FAILURE_INTERNAL})
 
 
 @dataclass
@@ -66,6 +89,8 @@ class AgentConfig:
     journal: Path | None = None  # ground truth: what this agent actually started and stopped
     drop_assigns: bool = False  # for fault tests: a node that never accepts
     provision_delay: float = 0.0  # for fault tests: a provisioning step that takes this long
+    backends: list[str] = field(default_factory=lambda: ["process"])  # "process", "container"
+    container_host: str | None = None  # the engine's URL; None: DOCKER_HOST, else the default socket
 
 
 @dataclass(eq=False)
@@ -75,7 +100,8 @@ class Attempt:
     attempt: int
     spec: dict
     phase: str = "provisioning"
-    run: ProcessRun | None = None
+    backend: Backend | None = None
+    handle: Handle | None = None  # set once the sandbox started: what stop and destroy act on
     final: pb.TaskEvent | None = None  # kept until a server acknowledges it
     # the next chunk's seq (over both streams: the order output was read here) and each stream's next byte offset
     seq: int = 0
@@ -129,9 +155,26 @@ class Agent:
         self._buffer: deque[pb.AgentMessage] = deque()  # what waits for a stream
         self.connected = asyncio.Event()
         self.workdir = config.state_dir / "tasks"
-        self.fence = FenceKeeper(config.journal)
         self.fence_after = timing.offline_after - 2 * timing.heartbeat
         self._beats_sent: dict[int, float] = {}  # heartbeat seq → when it was sent (monotonic)
+        self.backends: dict[str, Backend] = {}
+        for kind in dict.fromkeys(config.backends or ["process"]):
+            if kind == "process":
+                self.backends[kind] = ProcessBackend()
+            elif kind == "container":
+                # imported only when asked for: a process-only agent never loads an engine client
+                from podium.agent.backends.container import ContainerBackend
+
+                self.backends[kind] = ContainerBackend(node_id, self.instance_id, config.container_host)
+            else:
+                raise ValueError(f"unknown backend {kind!r}: use process or container")
+        engine = getattr(self.backends.get("container"), "engine_url", None)
+        self.fence = FenceKeeper(config.journal, engine=engine)
+        # what each backend said the last time it was asked; the Hello offers only the available ones
+        self.fingerprints: dict[str, Fingerprint] = {}
+        self._rehello = asyncio.Event()  # the backends on offer changed: say Hello again
+        self._look_again = asyncio.Event()  # fingerprint now (an image was just pulled)
+        self._proofs: deque[tuple[float, pb.ReleaseProof]] = deque(maxlen=MAX_PROOFS)
 
     # ---- ground truth ------------------------------------------------------------------------
 
@@ -154,8 +197,11 @@ class Agent:
         while len(self._buffer) > MAX_BUFFERED:
             self._buffer.popleft()
 
-    def _event(self, a: Attempt, kind: int, exit_code: int = 0, message: str = "") -> None:
-        ev = pb.TaskEvent(task_id=a.task_id, fencing_token=a.token, kind=kind, exit_code=exit_code, message=message)
+    def _event(
+        self, a: Attempt, kind: int, exit_code: int = 0, message: str = "", failure_class: str = "", backend_ref: str = ""
+    ) -> None:
+        ev = pb.TaskEvent(task_id=a.task_id, fencing_token=a.token, kind=kind, exit_code=exit_code, message=message,
+                          failure_class=failure_class, backend_ref=backend_ref)  # fmt: skip
         if kind in (K.EXITED, K.FAILED_RETRYABLE, K.NOT_RUNNING):
             a.final = ev
             a.phase = "exited"
@@ -164,13 +210,22 @@ class Agent:
     # ---- connection -----------------------------------------------------------------------------
 
     async def run(self) -> None:
+        await self._fingerprint()
+        await self._recover()
+        watcher = asyncio.get_running_loop().create_task(self._watch_backends(), name="agent.backends")
+        try:
+            await self._connect_loop()
+        finally:
+            watcher.cancel()
+
+    async def _connect_loop(self) -> None:
         backoff = BACKOFF_MIN
         i = 0
         while True:
             server = self.cfg.servers[i % len(self.cfg.servers)]
             started = time.monotonic()
             try:
-                await self._session(server)
+                await self._session_until_rehello(server)
             except grpc.aio.AioRpcError as e:
                 if e.code() in _REFUSED:
                     log.error("server %s refused this node: %s", server, e.details())
@@ -189,6 +244,114 @@ class Agent:
             log.info("reconnecting in %.1fs", delay)
             await asyncio.sleep(delay)
             backoff = min(BACKOFF_MAX, backoff * 2)
+
+    async def _session_until_rehello(self, server: str) -> None:
+        """One session, ended early when the backends on offer changed: the server learns a node's
+        backends, egress contexts and limits from its Hello, so a new Hello is how it is told."""
+        self._rehello.clear()
+        session = asyncio.get_running_loop().create_task(self._session(server), name="agent.session")
+        changed = asyncio.get_running_loop().create_task(self._rehello.wait())
+        try:
+            await asyncio.wait({session, changed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+            if not session.done():
+                session.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await session
+        if session.cancelled():
+            raise OSError("the backends this node offers changed; saying Hello again")
+        session.result()
+
+    # ---- backends -------------------------------------------------------------------------------
+
+    async def _fingerprint(self) -> tuple[bool, bool]:
+        """Ask every backend whether it works now. Returns (availability changed, artifacts changed)."""
+        before = self.fingerprints
+        after: dict[str, Fingerprint] = {}
+        for kind, backend in self.backends.items():
+            try:
+                after[kind] = await asyncio.wait_for(backend.fingerprint(), FINGERPRINT_TIMEOUT)
+            except TimeoutError:
+                after[kind] = Fingerprint(kind=kind, available=False, detail=f"no answer within {FINGERPRINT_TIMEOUT:g}s")
+            except Exception as e:  # a backend that cannot say is not available
+                after[kind] = Fingerprint(kind=kind, available=False, detail=str(e))
+            if before.get(kind) is None or before[kind].available != after[kind].available:
+                log.log(logging.INFO if after[kind].available else logging.WARNING,
+                        "backend %s: %s (%s)", kind, "available" if after[kind].available else "unavailable",
+                        after[kind].detail)  # fmt: skip
+        self.fingerprints = after
+
+        def offered(fps: dict[str, Fingerprint]) -> tuple[object, ...]:
+            live = [fp for fp in fps.values() if fp.available]
+            return (sorted(fp.kind for fp in live), sorted({e for fp in live for e in fp.egress}),
+                    any(fp.enforces_limits for fp in live))  # fmt: skip
+
+        return bool(before) and offered(before) != offered(after), self._artifacts(before) != self._artifacts(after)
+
+    def _artifacts(self, fps: dict[str, Fingerprint] | None = None) -> list[str]:
+        """The artifacts this node holds: those it was told of, and the image digests its engine has."""
+        held = {d for fp in (self.fingerprints if fps is None else fps).values() if fp.available for d in fp.artifacts}
+        return list(dict.fromkeys([*self.cfg.artifacts, *sorted(held)]))
+
+    async def _watch_backends(self) -> None:
+        """Look again every heartbeat (within FINGERPRINT_MIN..FINGERPRINT_EVERY) or after a pull: a
+        backend that came or went is told with a new Hello, a changed set of images with an Inventory."""
+        while True:
+            every = min(FINGERPRINT_EVERY, max(FINGERPRINT_MIN, self.heartbeat_seconds))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._look_again.wait(), timeout=every)
+            self._look_again.clear()
+            try:
+                availability, artifacts = await self._fingerprint()
+            except Exception:  # never let one bad look end the looking
+                log.exception("fingerprinting the backends failed")
+                continue
+            if availability:
+                self._rehello.set()
+            elif artifacts and self._outq is not None:
+                self._send(pb.AgentMessage(inventory=pb.Inventory(artifacts=self._artifacts())))
+
+    async def _recover(self) -> None:
+        """Sandboxes an earlier instance of this agent left (it was killed, the machine rebooted):
+        each is removed and its removal proved, so the capacity its attempt holds is freed. None is
+        re-attached: the server learns from this agent's Hello that it no longer holds those
+        attempts and applies the node-loss policy (docs/decisions.md)."""
+        for kind, backend in self.backends.items():
+            if not self.fingerprints.get(kind, Fingerprint(kind, False)).available:
+                continue
+            try:
+                found = await asyncio.wait_for(backend.recover(), FINGERPRINT_TIMEOUT)
+            except Exception as e:
+                log.warning("backend %s: cannot list what an earlier agent left (%s)", kind, e)
+                continue
+            for r in found:
+                if r.instance == self.instance_id:
+                    continue
+                log.warning("removing the %s %s of task %s (token %d) left by an earlier agent (%s)",
+                            kind, r.handle.ref[:12], r.handle.task_id, r.handle.token,
+                            "still running" if r.running else f"exited {r.exit_code}")  # fmt: skip
+                try:
+                    proof = await backend.destroy(r.handle)
+                except Exception as e:
+                    log.warning("cannot remove the %s %s: %s", kind, r.handle.ref[:12], e)
+                    continue
+                self._journal(ev="removed", task=r.handle.task_id, token=r.handle.token, ref=proof.ref, recovered=True)
+                self._prove(r.handle.task_id, r.handle.token, proof)
+
+    def _prove(self, task_id: str, token: int, proof: ReleaseProof) -> None:
+        msg = pb.ReleaseProof(task_id=task_id, fencing_token=token, backend_ref=proof.ref,
+                              released_at=proof.at.timestamp())  # fmt: skip
+        # kept to be sent again on each new stream for a while: the protocol has no ack for a proof,
+        # and one lost with a stream would leave its capacity releasing until the node is lost
+        self._proofs.append((time.monotonic(), msg))
+        self._send(pb.AgentMessage(released=msg))
+
+    def _proofs_to_resend(self) -> list[pb.ReleaseProof]:
+        cutoff = time.monotonic() - PROOF_RESEND_FOR
+        while self._proofs and self._proofs[0][0] < cutoff:
+            self._proofs.popleft()
+        return [p for _, p in self._proofs]
 
     @property
     def _credential_path(self) -> Path:
@@ -216,7 +379,11 @@ class Agent:
             node_id=self.node_id, name=c.name, credential=self._credential(), labels=c.labels,
             capacity=pb.Resources(cpu_millis=c.cpu_millis, memory_bytes=c.memory_bytes, disk_bytes=c.disk_bytes,
                                   gpus=len(c.gpu_indexes), slots=c.slots),
-            backends=["process"], pool=c.pool, arch=c.arch, capabilities=c.capabilities, artifacts=c.artifacts,
+            backends=[k for k, fp in self.fingerprints.items() if fp.available] if self.fingerprints
+            else [k for k in self.backends if k == "process"], pool=c.pool, arch=c.arch,
+            capabilities=c.capabilities, artifacts=self._artifacts(),
+            egress_contexts=sorted({e for fp in self.fingerprints.values() if fp.available for e in fp.egress}),
+            enforces_limits=any(fp.available and fp.enforces_limits for fp in self.fingerprints.values()),
             protocol_min=1, protocol_max=1, gpu_indexes=c.gpu_indexes, agent_version=__version__,
             instance_id=self.instance_id,
             tasks=[pb.RunningTask(task_id=a.task_id, fencing_token=a.token, phase=a.phase)
@@ -262,12 +429,14 @@ class Agent:
                 for a in list(self.attempts.values()):
                     if a.final is not None:
                         outq.put_nowait(pb.AgentMessage(event=a.final))
+                for proof in self._proofs_to_resend():
+                    outq.put_nowait(pb.AgentMessage(released=proof))
                 while self._buffer:
                     msg = self._buffer.popleft()
                     if msg.HasField("event") and msg.event.kind in (K.EXITED, K.FAILED_RETRYABLE, K.NOT_RUNNING):
                         continue  # already re-sent above from the attempt itself
-                    if msg.HasField("log"):
-                        continue  # re-sent above from the attempt's unacknowledged output
+                    if msg.HasField("log") or msg.HasField("released"):
+                        continue  # re-sent above from the attempt's unacknowledged output, or the proofs kept
                     outq.put_nowait(msg)
                 self._outq = outq
                 self.connected.set()
@@ -370,8 +539,10 @@ class Agent:
         a.masker = Masker([s.value for s in asg.secrets] + [r.password for r in asg.registries])
         self.attempts[a.token] = a
         env = {s.env: s.value for s in asg.secrets}
+        # held in memory for this attempt only: never logged, never written to the node's disk
+        logins = [RegistryAuth(r.registry, r.username, r.password) for r in asg.registries]
         a.runner = asyncio.get_running_loop().create_task(
-            self._run(a, env, list(asg.gpu_indexes)), name=f"agent.task.{a.task_id}"
+            self._run(a, env, list(asg.gpu_indexes), logins), name=f"agent.task.{a.task_id}"
         )
 
     def _on_cancel(self, c: pb.Cancel) -> None:
@@ -386,63 +557,107 @@ class Agent:
             return
         a.cancel_requested = True
         a.go.set()
-        if a.run is not None:
-            asyncio.get_running_loop().create_task(a.run.stop(self.kill_grace), name=f"agent.stop.{a.task_id}")
+        if a.backend is not None and a.handle is not None:
+            asyncio.get_running_loop().create_task(
+                a.backend.stop(a.handle, self.kill_grace, FAILURE_CANCELLED), name=f"agent.stop.{a.task_id}"
+            )
 
-    async def _run(self, a: Attempt, secret_env: dict[str, str], gpus: list[int]) -> None:
-        self._event(a, K.PROVISIONING)
+    def _run_spec(
+        self, a: Attempt, kind: str, secret_env: dict[str, str], gpus: list[int], logins: list[RegistryAuth], workdir: Path
+    ) -> tuple[RunSpec, dict[str, str]]:
+        """The task's spec in a backend's terms, and the environment it runs with."""
         spec = a.spec
+        ids = {"PODIUM_TASK_ID": a.task_id, "PODIUM_ATTEMPT": str(a.attempt), "PODIUM_NODE_ID": self.node_id}
+        if kind != "container":
+            env = dict(os.environ) if spec.get("inherit_env") else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+            env.update({"HOME": str(workdir), **ids})
+            env.update(spec.get("env") or {})
+            env.update(secret_env)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+            return RunSpec(a.task_id, a.token, a.attempt, command=tuple(spec["command"])), env
+        # a container keeps its image's environment (PATH, HOME): nothing of this node's is passed in
+        env = {**ids, **(spec.get("env") or {}), **secret_env}
+        image = str(spec.get("image") or "")
+        cpu, memory = _limits(spec)
+        return RunSpec(
+            a.task_id, a.token, a.attempt, command=tuple(spec.get("command") or ()), image=image,
+            egress=spec.get("egress") or EGRESS_OPEN, cpu_millis=cpu, memory_bytes=memory,
+            registry_auth=_login_for(image, logins),
+        ), env  # fmt: skip
+
+    async def _run(self, a: Attempt, secret_env: dict[str, str], gpus: list[int], logins: list[RegistryAuth] | None = None) -> None:
+        self._event(a, K.PROVISIONING)
+        kind = a.spec.get("backend") or "process"
+        backend = self.backends.get(kind)
         workdir = self.workdir / f"{a.task_id}-{a.token}"
-        env = dict(os.environ) if spec.get("inherit_env") else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-        env.update({"HOME": str(workdir), "PODIUM_TASK_ID": a.task_id, "PODIUM_ATTEMPT": str(a.attempt),
-                    "PODIUM_NODE_ID": self.node_id})  # fmt: skip
-        env.update(spec.get("env") or {})
-        env.update(secret_env)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-        run = ProcessRun(list(spec["command"]), env, workdir)
+        handle: Handle | None = None
+        run_spec: RunSpec | None = None
         try:
+            if backend is None or not self.fingerprints.get(kind, Fingerprint(kind, kind == "process")).available:
+                # placed here on an offer this node no longer makes: another node may do it
+                self._event(a, K.FAILED_RETRYABLE, message=f"this node cannot run {kind} tasks now",
+                            failure_class=FAILURE_PROVISIONING)  # fmt: skip
+                return
+            a.backend = backend
+            run_spec, env = self._run_spec(a, kind, secret_env, gpus, logins or [], workdir)
             if self.cfg.provision_delay:
                 await asyncio.sleep(self.cfg.provision_delay)
-            # Start only once the server has recorded that this node accepted: an assignment revoked
-            # by the accept deadline (its "provisioning" came too late) is then never started here.
-            await a.go.wait()
-            if a.cancel_requested:
-                self._event(a, K.EXITED, exit_code=130, message="cancelled before it started")
-                return
             try:
-                await run.start()
-            except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
-                # the command is not there: on this node; report it as the exit a shell would give
-                msg = f"cannot start {spec['command'][0]!r}: {e.strerror}"
-                await self._output(a, "stderr", (msg + "\n").encode())
-                self._event(a, K.EXITED, exit_code=127 if isinstance(e, FileNotFoundError) else 126, message=msg)
+                await backend.prepare(run_spec, env, workdir)  # the pull and the create, before Accepted
+                if kind == "container":
+                    self._look_again.set()  # an image may have arrived: tell the server what is held
+                # Start only once the server has recorded that this node accepted: an assignment revoked
+                # by the accept deadline (its "provisioning" came too late) is then never started here.
+                await a.go.wait()
+                if a.cancel_requested:
+                    self._event(a, K.EXITED, exit_code=130, message="cancelled before it started")
+                    return
+                handle = await backend.start(run_spec, env, workdir)
+            except StartFailed as e:
+                if e.exit_code is not None:
+                    # the command is not there on this node: the exit a shell would give
+                    await self._output(a, "stderr", (e.message + "\n").encode())
+                    self._event(a, K.EXITED, exit_code=e.exit_code, message=e.message)
+                else:
+                    # the sandbox could not be made here (a pull, a create): another node may do better
+                    self._event(a, K.FAILED_RETRYABLE, message=e.message, failure_class=e.failure_class)
                 return
-            a.run = run
+            a.handle = handle
             a.phase = "running"
             started = time.monotonic()
-            assert run.pid is not None
-            self.fence.add(run.pid, a.task_id, a.token)
-            self._journal(ev="start", task=a.task_id, token=a.token, pid=run.pid)
-            self._event(a, K.RUNNING)
+            if kind == "container":
+                self.fence.add_container(handle.ref, a.task_id, a.token)
+                self._journal(ev="start", task=a.task_id, token=a.token, container=handle.ref)
+            else:
+                self.fence.add(int(handle.ref), a.task_id, a.token)
+                self._journal(ev="start", task=a.task_id, token=a.token, pid=int(handle.ref))
+            self._event(a, K.RUNNING, backend_ref=handle.ref)
             if a.cancel_requested:
-                asyncio.get_running_loop().create_task(run.stop(self.kill_grace))
-            code = await run.wait(lambda stream, data: self._output(a, stream, data))
+                asyncio.get_running_loop().create_task(backend.stop(handle, self.kill_grace, FAILURE_CANCELLED))
+            result = await backend.wait(handle, lambda stream, data: self._output(a, stream, data))
             for stream in ("stdout", "stderr"):
                 await self._emit(a, stream, a.masker.flush(stream))
             ended = time.monotonic()
-            self.fence.remove(run.pid)
-            self._journal(ev="stop", task=a.task_id, token=a.token, code=code)
+            if kind == "container":
+                self.fence.remove_container(handle.ref)
+            else:
+                self.fence.remove(int(handle.ref))
+            self._journal(ev="stop", task=a.task_id, token=a.token, code=result.exit_code)
             # A SIGKILL while the lease had run out is the fence keeper's, even when the acknowledgement
             # of a late heartbeat renewed the lease before this exit was seen: not the task's own exit.
-            fenced = self.fence.expired(ended) or (code == 128 + 9 and self.fence.lapsed(started, ended))
+            fenced = self.fence.expired(ended) or (result.exit_code == 128 + 9 and self.fence.lapsed(started, ended))
             if fenced and not a.cancel_requested:
                 # it was stopped here because this node lost its lease; another node may have it now
                 msg = f"stopped on this node: no heartbeat acknowledged for {self.fence_after:g}s"
                 self._event(a, K.FAILED_RETRYABLE, message=msg)
+            elif result.exit_code is None:
+                self._event(a, K.FAILED_RETRYABLE, message=result.message, failure_class=FAILURE_INTERNAL)
             else:
-                self._event(a, K.EXITED, exit_code=code)
+                cls = result.failure_class if result.failure_class in _REPORTED_CLASSES else ""
+                self._event(a, K.EXITED, exit_code=result.exit_code, message=result.message, failure_class=cls)
         except asyncio.CancelledError:
-            await run.stop(0)
+            if backend is not None and handle is not None:
+                await backend.stop(handle, 0, FAILURE_INTERNAL)
             raise
         except Exception as e:  # an agent-side failure: another node may do better
             log.exception("task %s failed on this node", a.task_id)
@@ -450,6 +665,26 @@ class Agent:
         finally:
             with contextlib.suppress(OSError):
                 shutil.rmtree(workdir)
+            if kind == "container" and backend is not None:
+                await self._release(a, backend, handle, run_spec)
+
+    async def _release(self, a: Attempt, backend: Backend, handle: Handle | None, spec: RunSpec | None) -> None:
+        """Remove a container attempt's sandbox and prove it gone: only the proof frees its capacity.
+        Never started: what provisioning made (if anything) is discarded (a failed pull or create
+        leaves no container behind)."""
+        try:
+            if handle is not None:
+                proof = await backend.destroy(handle)
+            elif spec is not None:
+                proof = await backend.discard(spec)
+            else:
+                proof = ReleaseProof("", datetime.now(UTC))
+        except Exception as e:  # no proof: the capacity stays held; a restarted agent removes it
+            log.warning("task %s: cannot remove its container (%s); its capacity stays held", a.task_id, e)
+            return
+        if proof.ref:
+            self._journal(ev="removed", task=a.task_id, token=a.token, ref=proof.ref)
+        self._prove(a.task_id, a.token, proof)
 
     async def _output(self, a: Attempt, stream: str, data: bytes) -> None:
         # no secret value this task received leaves the node in its logs, whole or split
@@ -473,8 +708,39 @@ class Agent:
         # with no stream, the chunk waits in `unacked` and is sent on the next one
 
     async def shutdown(self) -> None:
-        """Stop every task (SIGTERM, then SIGKILL after the grace), then the fence keeper."""
+        """Stop every task (SIGTERM, then SIGKILL after the grace), let each runner report its end and
+        remove its container, then stop the fence keeper and the backends."""
         await asyncio.gather(
-            *(a.run.stop(self.kill_grace) for a in self.attempts.values() if a.run is not None), return_exceptions=True
-        )
+            *(a.backend.stop(a.handle, self.kill_grace, FAILURE_CANCELLED) for a in self.attempts.values()
+              if a.backend is not None and a.handle is not None),
+            return_exceptions=True,
+        )  # fmt: skip
+        runners = [a.runner for a in self.attempts.values() if a.runner is not None and not a.runner.done()]
+        if runners:
+            await asyncio.wait(runners, timeout=self.kill_grace + 5)
         self.fence.close()
+        for backend in self.backends.values():
+            with contextlib.suppress(Exception):
+                await backend.close()
+
+
+def _limits(spec: dict) -> tuple[int | None, int | None]:
+    """(CPU millicores, memory bytes) the spec asks for, as the server validated them."""
+    from podium.spec import ResourceSpec
+
+    try:
+        r = ResourceSpec.model_validate(spec.get("resources") or {})
+    except ValueError:
+        return None, None
+    return r.cpu or None, r.memory or None
+
+
+def _login_for(image: str, logins: list[RegistryAuth]) -> RegistryAuth | None:
+    """The login for the image's own registry, if the server sent one; no other goes with a pull."""
+    from podium.images import parse_image
+
+    try:
+        registry = parse_image(image).registry
+    except ValueError:
+        return None
+    return next((r for r in logins if r.registry.lower() == registry.lower()), None)

@@ -8,11 +8,22 @@ deadline each time a heartbeat is acknowledged, with a margin of two heartbeats 
 the deadline passes, or the agent's end of the pipe closes, every registered process group gets
 SIGKILL. It is started in its own session, so signals meant for the agent do not reach it.
 
+Containers are fenced through the engine's own API: the keeper is given the engine's URL (`--engine
+URL`, or `--engine env` for DOCKER_HOST and the default socket) and each container's id, and at the
+fence it asks the engine to SIGKILL them. Why not the container's host PID from inspect (State.Pid)?
+That number is in the engine's PID namespace, which need not be the agent's (an engine in its own
+namespace, a remote engine over tcp): a PID from elsewhere could name an unrelated process here, and
+killing it would be worse than useless. The engine's kill names exactly the container, wherever the
+engine runs. The container stays (stopped) for the agent, or a restarted agent, to remove and prove
+removed.
+
 Protocol on stdin, one command a line (times are CLOCK_MONOTONIC, shared by every process):
     lease <deadline>              the attempts may run until <deadline>
     add <pgid> <task> <token>     a process group to fence
     del <pgid>                    that group ended by itself
     kill <why>                    kill every group now (the agent was superseded by another process)
+    cadd <id> <task> <token>      a container (on the engine given at start) to fence
+    cdel <id>                     that container ended by itself
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from collections import deque
 from pathlib import Path
 
 CHECK_EVERY = 0.02  # seconds; how late past the deadline a fence can fire
+ENGINE_TIMEOUT = 5.0  # seconds one kill through the engine's API may take
 
 
 def _kill(pgid: int) -> None:
@@ -37,19 +49,60 @@ def _kill(pgid: int) -> None:
         pass
 
 
-def main(journal: str | None) -> None:
+class _Engine:
+    """The container engine, connected once when the first container is fenced (so the kill at the
+    fence does not wait for an import and a handshake)."""
+
+    def __init__(self, url: str | None) -> None:
+        self.url = url
+        self.api: object | None = None
+
+    def connect(self) -> None:
+        if self.api is not None or self.url is None:
+            return
+        try:
+            import docker
+
+            if self.url == "env":
+                self.api = docker.from_env(timeout=ENGINE_TIMEOUT).api  # DOCKER_HOST, as the agent reads it
+            else:
+                self.api = docker.APIClient(base_url=self.url, timeout=ENGINE_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - tried again at the fence
+            print(f"fence: no container engine at {self.url}: {e}", file=sys.stderr)
+            self.api = None
+
+    def kill(self, container_id: str) -> None:
+        self.connect()
+        if self.api is None:
+            return
+        try:
+            self.api.kill(container_id, "SIGKILL")  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - gone already, or not running: nothing to kill
+            print(f"fence: kill {container_id[:12]}: {e}", file=sys.stderr)
+
+
+def main(journal: str | None, engine_url: str | None = None) -> None:
     deadline = float("inf")
     groups: dict[int, tuple[str, str]] = {}
+    containers: dict[str, tuple[str, str]] = {}
+    engine = _Engine(engine_url)
     buf = b""
     fd = sys.stdin.fileno()
+
+    def record(task: str, token: str, why: str) -> None:
+        if journal:
+            with open(journal, "a") as f:
+                f.write(json.dumps({"ev": "fence", "task": task, "token": int(token), "t": time.time(), "why": why}) + "\n")
 
     def fence(why: str) -> None:
         for pgid, (task, token) in list(groups.items()):
             _kill(pgid)
-            if journal:
-                with open(journal, "a") as f:
-                    f.write(json.dumps({"ev": "fence", "task": task, "token": int(token), "t": time.time(), "why": why}) + "\n")
+            record(task, token, why)
         groups.clear()
+        for cid, (task, token) in list(containers.items()):
+            engine.kill(cid)
+            record(task, token, why)
+        containers.clear()
 
     while True:
         ready, _, _ = select.select([fd], [], [], CHECK_EVERY)
@@ -70,32 +123,43 @@ def main(journal: str | None) -> None:
                     groups[int(parts[1])] = (parts[2], parts[3])
                 elif parts[0] == "del":
                     groups.pop(int(parts[1]), None)
+                elif parts[0] == "cadd":
+                    containers[parts[1]] = (parts[2], parts[3])
+                    engine.connect()
+                elif parts[0] == "cdel":
+                    containers.pop(parts[1], None)
                 elif parts[0] == "kill":
                     fence(" ".join(parts[1:]) or "told to")
-        if groups and time.monotonic() > deadline:
+        if (groups or containers) and time.monotonic() > deadline:
             fence("lease expired")
 
 
 class FenceKeeper:
     """The agent's handle on its fence process."""
 
-    def __init__(self, journal: Path | None) -> None:
+    def __init__(self, journal: Path | None, engine: str | None = None) -> None:
         self.journal = journal
+        self.engine = engine  # the container engine's URL, "env" for DOCKER_HOST; None: no containers
         self.proc: subprocess.Popen[bytes] | None = None
         self.deadline = 0.0
         self.groups: dict[int, tuple[str, int]] = {}
         # Deadlines that had passed when the next renewal came: the keeper may have fenced then. An
         # attempt's exit the agent notices only after such a renewal is still the fence's doing.
         self.lapses: deque[float] = deque(maxlen=32)
+        self.containers: dict[str, tuple[str, int]] = {}
 
     def _ensure(self) -> subprocess.Popen[bytes]:
         if self.proc is None or self.proc.poll() is not None:
-            args = [sys.executable, "-m", "podium.agent.fence"] + ([str(self.journal)] if self.journal else [])
+            args = [sys.executable, "-m", "podium.agent.fence", "--journal", str(self.journal or "")]
+            if self.engine:
+                args += ["--engine", self.engine]
             self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, start_new_session=True)
             # a new keeper knows nothing: tell it everything
             self._write(f"lease {self.deadline}\n", ensure=False)
             for pgid, (task, token) in self.groups.items():
                 self._write(f"add {pgid} {task} {token}\n", ensure=False)
+            for cid, (task, token) in self.containers.items():
+                self._write(f"cadd {cid} {task} {token}\n", ensure=False)
         return self.proc
 
     def _write(self, line: str, ensure: bool = True) -> None:
@@ -133,14 +197,24 @@ class FenceKeeper:
             self._write(f"del {pgid}\n")
 
     def fence_now(self, why: str) -> None:
-        """Kill every registered group at once, whatever the lease says."""
-        if self.groups:
+        """Kill every registered group and container at once, whatever the lease says."""
+        if self.groups or self.containers:
             self._write(f"kill {why}\n")
             self.groups.clear()
+            self.containers.clear()
+
+    def add_container(self, container_id: str, task: str, token: int) -> None:
+        self.containers[container_id] = (task, token)
+        self._write(f"cadd {container_id} {task} {token}\n")
+
+    def remove_container(self, container_id: str) -> None:
+        if self.containers.pop(container_id, None) is not None:
+            self._write(f"cdel {container_id}\n")
 
     def close(self) -> None:
         if self.proc is not None and self.proc.stdin is not None:
             self.groups.clear()
+            self.containers.clear()
             self._write("lease inf\n", ensure=False)
             try:
                 self.proc.stdin.close()
@@ -153,4 +227,6 @@ class FenceKeeper:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    _args = sys.argv[1:]
+    _opts = dict(zip(_args[::2], _args[1::2], strict=False))
+    main(_opts.get("--journal") or None, _opts.get("--engine") or None)

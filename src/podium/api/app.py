@@ -365,7 +365,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
             task_id=task["id"], state=task["state"], reason=task["reason"], node_id=task["node_id"],
             nodes=[VerdictOut(node_id=v.node_id, name=row["name"] if row else v.node_id, fits=v.failed is None,
                               failed=v.failed, score=v.score, avoided=v.node_id in avoid,
-                              health=row["health"] if row else None) for v, row in verdicts],
+                              health=row["health"] if row else None, holds=list(v.holds)) for v, row in verdicts],
         )  # fmt: skip
 
     @app.get("/v1/tasks/{task_id}/events", response_model=list[EventOut], responses={**_ERRORS, 200: {"headers": _PAGE_HEADERS}})
@@ -424,11 +424,17 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
             last = (rows[limit - 1]["name"], rows[limit - 1]["id"]) if len(rows) > limit else None
             remaining = await store.count_nodes_after(after=last, cap=REMAINING_CAP) if last else 0
         rows = _page(request, response, rows, limit, lambda r: _cursor("nodes", r["name"], r["id"]), remaining)
-        return [node_out(r) for r in rows]
+        releasing = await store.nodes_releasing([r["id"] for r in rows])
+        return [node_out(r, releasing.get(r["id"])) for r in rows]
 
     @app.get("/v1/nodes/{node}", response_model=NodeOut, responses=_ERRORS)
     async def get_node(node: str, _who: Viewer) -> NodeOut:
-        return node_out(await store.get_node(node))
+        return await _node(node)
+
+    async def _node(node: str) -> NodeOut:
+        """A node as the API shows it, with the capacity it still holds for sandboxes being removed."""
+        row = await store.get_node(node)
+        return node_out(row, (await store.nodes_releasing([row["id"]])).get(row["id"]))
 
     @app.get("/v1/nodes/{node}/events", response_model=list[NodeEventOut], responses=_ERRORS)
     async def node_events(
@@ -445,7 +451,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         row = await store.get_node(node)
         await store.set_draining(row["id"], True)
         await audit(who, "node.drain", row["id"])
-        return node_out(await store.get_node(row["id"]))
+        return await _node(row["id"])
 
     @app.put("/v1/nodes/{node}/labels", response_model=NodeOut, responses=_ERRORS)
     async def set_labels(node: str, body: LabelsIn, who: Operator) -> NodeOut:
@@ -453,14 +459,14 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         row = await store.get_node(node)
         await store.set_labels(row["id"], body.labels)
         await audit(who, "node.labels", row["id"], labels=body.labels)
-        return node_out(await store.get_node(row["id"]))
+        return await _node(row["id"])
 
     @app.post("/v1/nodes/{node}/undrain", response_model=NodeOut, responses=_ERRORS)
     async def undrain(node: str, who: Operator) -> NodeOut:
         row = await store.get_node(node)
         await store.set_draining(row["id"], False)
         await audit(who, "node.undrain", row["id"])
-        return node_out(await store.get_node(row["id"]))
+        return await _node(row["id"])
 
     # ---- identities, secrets, audit ----------------------------------------------------------
 
@@ -519,7 +525,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         await store.revoke_node(row["id"])
         await scheduler.node_removed(row["id"])
         await audit(who, "node.revoke", row["id"])
-        return node_out(await store.get_node(row["id"]))
+        return await _node(row["id"])
 
     @app.get("/v1/audit", response_model=list[AuditOut], responses={**_ERRORS, 200: {"headers": _PAGE_HEADERS}})
     async def read_audit(

@@ -27,6 +27,13 @@ class AttemptOut(BaseModel):
     exit_code: int | None
     reason: str | None
     gpu_indexes: list[int]
+    failure_class: str | None  # exit, timeout, cancelled, node_lost, not_accepted, provisioning, oom, internal
+    failure_detail: str | None  # the node's or engine's own words about the end
+    backend_kind: str  # process or container
+    backend_ref: str | None  # the process group or container id it ran as
+    released: bool  # its capacity is given back (a container's only once proven removed)
+    released_at: datetime | None
+    release_proof: dict[str, Any] | None  # by the node (backend_ref, released_at) or the server (reason)
 
 
 class EventOut(BaseModel):
@@ -36,6 +43,8 @@ class EventOut(BaseModel):
     reason: str | None
     actor: str
     fencing_token: int | None
+    failure_class: str | None
+    detail: str | None
 
 
 class TaskOut(BaseModel):
@@ -63,6 +72,10 @@ class TaskOut(BaseModel):
     # task holds no node). Filled by the task listing and the task detail; None if never placed.
     last_node_id: str | None = None
     last_node_name: str | None = None
+    reason_detail: str | None  # words beside the reason: a registry's, a node's
+    image: str | None  # as submitted (a tag, or already a digest)
+    image_digest: str | None  # what the tag was resolved to; every attempt runs image@digest
+    resolved_at: datetime | None
 
 
 class TaskDetail(TaskOut):
@@ -135,7 +148,11 @@ class NodeOut(BaseModel):
     protocol_min: int
     protocol_max: int
     gpu_indexes: list[int]
+    egress_contexts: list[str]
+    enforces_limits: bool  # its sandboxes enforce CPU and memory as limits
+    releasing: ResourcesOut  # held by ended attempts until their sandboxes are proven gone (within reserved)
     instance_id: str | None = None  # the agent process that presents this node now
+
 
 
 class NodeEventOut(BaseModel):
@@ -156,6 +173,7 @@ class VerdictOut(BaseModel):
     score: float | None  # higher is better, when it fits
     avoided: bool  # an earlier attempt of this task failed there
     health: str | None = None  # online | unreachable | offline, as the node's heartbeats say
+    holds: list[str] = []  # the preferred artifacts (its pinned image digest first) the node holds: tried first
 
 
 class ExplainOut(BaseModel):
@@ -262,6 +280,7 @@ def task_out(r: Any, last_node: tuple[str, str | None] | None = None) -> TaskOut
         finished_at=r["finished_at"], lease_expires_at=r["lease_expires_at"], accept_deadline=r["accept_deadline"],
         idempotency_key=r["idempotency_key"], spec_name=r["spec_name"], spec_revision=r["spec_revision"], spec=r["spec"],
         last_node_id=last_node[0] if last_node else None, last_node_name=last_node[1] if last_node else None,
+        reason_detail=r["reason_detail"], image=r["image"], image_digest=r["image_digest"], resolved_at=r["resolved_at"],
     )  # fmt: skip
 
 
@@ -273,7 +292,11 @@ def event_out(r: Any) -> EventOut:
     return EventOut(**{k: r[k] for k in EventOut.model_fields})
 
 
-def node_out(r: Any) -> NodeOut:
+_NOTHING = {"cpu_millis": 0, "memory_bytes": 0, "disk_bytes": 0, "gpus": 0, "slots": 0}
+
+
+def node_out(r: Any, releasing: Any = None) -> NodeOut:
+    held = releasing or _NOTHING
     return NodeOut(
         id=r["id"], name=r["name"], health=r["health"], connected=r["connected"], draining=r["draining"],
         pool=r["pool"], arch=r["arch"], labels=r["labels"], capabilities=list(r["capabilities"]),
@@ -284,6 +307,8 @@ def node_out(r: Any) -> NodeOut:
                               disk_bytes=r["res_disk_bytes"], gpus=r["res_gpus"], slots=r["res_slots"]),
         last_heartbeat_at=r["last_heartbeat_at"], agent_version=r["agent_version"], artifacts=list(r["artifacts"]),
         protocol_min=r["protocol_min"], protocol_max=r["protocol_max"], gpu_indexes=list(r["gpu_indexes"]),
+        egress_contexts=list(r["egress_contexts"]), enforces_limits=r["enforces_limits"],
+        releasing=ResourcesOut(**{k: held[k] for k in _NOTHING}),
         instance_id=r.get("instance_id"),
     )  # fmt: skip
 

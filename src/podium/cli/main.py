@@ -149,6 +149,8 @@ def agent(
     ca_file: Annotated[Path | None, typer.Option(help="verify the server with this CA (PEM); implies TLS")] = None,
     cert: Annotated[Path | None, typer.Option(help="client certificate (PEM) for mutual TLS")] = None,
     key: Annotated[Path | None, typer.Option(help="client key (PEM) for mutual TLS")] = None,
+    backend: Annotated[list[str], typer.Option("--backend", help="what this node runs: process, container; repeatable (default: process)")] = [],  # noqa: B006
+    container_host: Annotated[str | None, typer.Option(help="the container engine's API (unix:///run/podman/podman.sock, tcp://…); default DOCKER_HOST, else the engine's default socket")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run an agent: join a server (PODIUM_JOIN_TOKEN the first time) and run what it assigns."""
@@ -159,6 +161,12 @@ def agent(
     from podium import lockfile
 
     _setup_logging(verbose)
+    backends = list(dict.fromkeys(b.strip().lower() for b in backend if b.strip())) or ["process"]
+    unknown = [b for b in backends if b not in ("process", "container")]
+    if unknown:
+        raise CliError(f"--backend {unknown[0]!r} is not a backend; use --backend process and/or --backend container")
+    if container_host is not None and "container" not in backends:
+        raise CliError("--container-host is for the container backend; add --backend container")
     sdir = state_dir or (default_data_dir() / "agent")
     labels = _labels(label)
     try:
@@ -193,6 +201,8 @@ def agent(
         # fault-injection knobs for the test suite; named TEST so nobody mistakes them for features
         drop_assigns=os.environ.get("PODIUM_TEST_AGENT_DROP_ASSIGNS") == "1",
         provision_delay=float(os.environ.get("PODIUM_TEST_AGENT_PROVISION_DELAY", "0")),
+        backends=backends,
+        container_host=container_host or None,
     )
     node = Agent(cfg, facts.node_id(sdir), timing_from_env())
 
@@ -231,6 +241,7 @@ def dev(
     grpc_port: Annotated[int, typer.Option(help="port the local agent connects to")] = 8643,
     data_dir: Annotated[Path | None, typer.Option(help="data directory (default: the user data dir)")] = None,
     demo: Annotated[bool, typer.Option(help="submit a first task and show it running")] = False,
+    containers: Annotated[bool, typer.Option("--containers", help="the local agent also runs container tasks while an engine is reachable (DOCKER_HOST, else the default socket)")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Everything on this machine in one command: embedded PostgreSQL, a server and one local agent."""
@@ -278,7 +289,7 @@ def dev(
         join = (ddir / "join-token").read_text().strip() if (ddir / "join-token").exists() else ""
         agent_proc = subprocess.Popen(
             [sys.executable, "-m", "podium", "agent", "--server", f"127.0.0.1:{grpc_port}", "--name", "local",
-             "--state-dir", str(ddir / "agent")],
+             "--state-dir", str(ddir / "agent")] + (["--backend", "process", "--backend", "container"] if containers else []),
             env={**os.environ, "PODIUM_JOIN_TOKEN": join, "PODIUM_LOG_LEVEL": "DEBUG" if verbose else "WARNING"},
             preexec_fn=_die_with_parent(os.getpid()),
         )  # fmt: skip
@@ -428,7 +439,10 @@ def _validate(body: dict[str, Any]) -> dict[str, Any]:
 
 @app.command(context_settings={"allow_interspersed_args": False})
 def run(
-    command: Annotated[list[str], typer.Argument(help="the command and its arguments, after --")],
+    command: Annotated[list[str] | None, typer.Argument(help="the command and its arguments, after --; with --image, "
+                                                             "the container's command (none: the image's own)")] = None,
+    image: Annotated[str | None, typer.Option(help="run this container image (registry/team/app:1.4) instead of a process")] = None,
+    egress: Annotated[str | None, typer.Option(help="the network the task needs: none or open")] = None,
     cpu: Annotated[str | None, typer.Option(help="CPU: cores (0.5, 2) or millicores (500m)")] = None,
     memory: Annotated[str | None, typer.Option(help="memory: 512Mi, 2G, or bytes")] = None,
     label: Annotated[list[str], typer.Option("--label", "-l", help="a node label the task requires, key=value")] = [],  # noqa: B006
@@ -450,8 +464,12 @@ def run(
     detach: Annotated[bool, typer.Option("--detach", "-d", help="print the task id and return")] = False,
     server: ServerOpt = None,
 ) -> None:
-    """Run a command on the fleet, stream its output, and exit with its exit code."""
-    body: dict[str, Any] = {"command": command}
+    """Run a command (or a container image) on the fleet, stream its output, and exit with its exit code."""
+    body: dict[str, Any] = {"command": list(command or [])}
+    if image is not None:
+        body.update(backend="container", image=image)
+    if egress is not None:
+        body["egress"] = egress
     if cpu is not None:
         body.setdefault("resources", {})["cpu"] = _parse(parse_cpu, cpu, "--cpu")
         body["resources"]["cpu"] = f"{body['resources']['cpu']}m"
@@ -639,10 +657,15 @@ def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> N
         name = d.get("last_node_name") if d.get("last_node_id") == node else None
         where = f"{escape(name)} ({escape(node)})" if name else escape(node)
         out.print(f"  {'node:' if d['node_id'] else 'ran on:':<9} {where}", highlight=False)
+    if d.get("reason_detail"):
+        out.print(f"  detail:   {d['reason_detail']}", markup=False, highlight=False)
     if d["exit_code"] is not None:
         out.print(f"  exit:     {d['exit_code']}")
     spec = d["spec"]
-    cmd = " ".join(spec.get("command") or []) or spec.get("image") or ""
+    if d.get("image"):
+        out.print(f"  image:    {d['image']}", markup=False, highlight=False)
+        out.print(f"  digest:   {d.get('image_digest') or 'not resolved yet'}", markup=False, highlight=False)
+    cmd = " ".join(spec.get("command") or []) or ("(the image's own)" if d.get("image") else "")
     out.print(f"  command:  {cmd}", markup=False, highlight=False)
     res = spec.get("resources", {})
     out.print(f"  needs:    cpu {format_cpu(parse_cpu(res.get('cpu', '0m')))}, memory {format_size(int(res.get('memory', 0)))}"
@@ -651,19 +674,25 @@ def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> N
     out.print(f"  attempts: {d['attempts']} of {d['max_attempts']}")
     if d["attempt_list"]:
         t = _Table(title="attempts", box=None, title_justify="left")
-        for col in ("#", "NODE", "TOKEN", "STATE", "ASSIGNED", "STARTED", "FINISHED", "EXIT", "REASON"):
+        for col in ("#", "NODE", "TOKEN", "STATE", "CLASS", "ASSIGNED", "STARTED", "FINISHED", "EXIT", "REASON"):
             t.add_column(col)
         for a in d["attempt_list"]:
-            t.add_row(str(a["attempt"]), a["node_id"], str(a["fencing_token"]), a["state"], _t(a["assigned_at"]),
-                      _t(a["started_at"]), _t(a["finished_at"]), "" if a["exit_code"] is None else str(a["exit_code"]),
-                      a["reason"] or "")  # fmt: skip
+            t.add_row(str(a["attempt"]), a["node_id"], str(a["fencing_token"]), a["state"], a.get("failure_class") or "",
+                      _t(a["assigned_at"]), _t(a["started_at"]), _t(a["finished_at"]),
+                      "" if a["exit_code"] is None else str(a["exit_code"]), a["reason"] or "")  # fmt: skip
         out.print(t)
+        for a in d["attempt_list"]:
+            # the node's or engine's own words, beside the reason rather than in it
+            if a.get("failure_detail"):
+                out.print(f"  attempt {a['attempt']}: {a['failure_detail']}", markup=False, highlight=False)
+            if a.get("finished_at") and not a.get("released", True):
+                out.print(f"  attempt {a['attempt']}: its capacity is held until its sandbox is proven removed")
     t = _Table(title="events", box=None, title_justify="left")
-    for col in ("AT", "FROM", "TO", "TOKEN", "BY", "REASON"):
+    for col in ("AT", "FROM", "TO", "TOKEN", "BY", "CLASS", "REASON"):
         t.add_column(col)
     for e in d["events"]:
         t.add_row(_t(e["at"]), e["from_state"] or "", e["to_state"], "" if e["fencing_token"] is None else str(e["fencing_token"]),
-                  e["actor"], e["reason"] or "")  # fmt: skip
+                  e["actor"], e.get("failure_class") or "", e["reason"] or "")  # fmt: skip
     out.print(t)
 
 
@@ -713,14 +742,19 @@ def nodes(
         _more(listing, json_out)
         return
     t = _Table(box=None)
-    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAINING", "CPU", "MEMORY", "SLOTS", "LABELS"):
+    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAINING", "CPU", "MEMORY", "SLOTS", "RELEASING", "BACKENDS", "EGRESS", "LIMITS", "LABELS"):
         t.add_column(col)
     for n in rows:
         a, r = n["allocatable"], n["reserved"]
+        rel = n.get("releasing") or {}
         # health beside connected: a connected node is not a healthy one (a frozen agent's stream stays open)
         t.add_row(n["id"], n["name"], _health(n["health"]), "yes" if n["connected"] else "no", "yes" if n["draining"] else "",
                   f"{format_cpu(r['cpu_millis'])}/{format_cpu(a['cpu_millis'])}",
                   f"{format_size(r['memory_bytes'])}/{format_size(a['memory_bytes'])}", f"{r['slots']}/{a['slots']}",
+                  # capacity still held by ended attempts whose sandboxes are not proven removed yet
+                  f"{rel['slots']} ({format_cpu(rel['cpu_millis'])}, {format_size(rel['memory_bytes'])})" if rel.get("slots") else "",
+                  ",".join(n.get("backends") or []), ",".join(n.get("egress_contexts") or []),
+                  "enforced" if n.get("enforces_limits") else "",
                   ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())))  # fmt: skip
     out.print(t)
     _more(listing, json_out)
@@ -772,7 +806,8 @@ def explain(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -
         t.add_column(col)
     for n in d["nodes"]:
         t.add_row(n["node_id"], n["name"], _health(n.get("health") or ""), Text("yes", style="green") if n["fits"] else Text("no", style="red"),
-                  "" if n["score"] is None else f"{n['score']:.2f}" + (" (avoided: failed there before)" if n["avoided"] else ""),
+                  "" if n["score"] is None else f"{n['score']:.2f}" + (" (avoided: failed there before)" if n["avoided"] else "")
+                  + (f" (holds {n['holds'][0][:19]}…: tried first)" if n.get("holds") and n["score"] is not None else ""),
                   n["failed"] or "")  # fmt: skip
     out.print(t)
 

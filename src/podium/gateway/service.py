@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,6 +42,7 @@ PROTOCOL_MAX = 1
 LOG_FLUSH_SECONDS = 0.05
 PERSIST_FOR = 30.0  # seconds a node's report is retried against an unavailable database
 EVENT_BATCH = 1000  # node reports applied in one transaction (one commit) at most
+MAX_ARTIFACTS = 4096  # image digests one node's inventory may list
 EVENT_TRIES = 5  # a report whose task keeps moving between read and write is given up after this
 SESSION_BACKLOG = 4096  # reports one stream may have waiting before its reader stops reading
 _KIND = {v: k for k, v in pb.TaskEvent.Kind.items()}
@@ -116,6 +119,9 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self.report_backlog = 0  # node reports received and not yet applied (admission reads it)
         self._outbox_due: set[str] = set()  # nodes to take the outbox of at the next take
         self._outbox_wake = asyncio.Event()
+        # release proofs received and not yet recorded: (task, token, node, backend ref, released at)
+        self._proofs: list[tuple[uuid.UUID, int, str, str, float]] = []
+        self._proofs_ready = asyncio.Event()
         # A node stops its attempts itself this long after its last acknowledged heartbeat: two
         # heartbeats before the server may declare it offline and give its work away.
         self.fence_after = max(timing.offline_after - 2 * timing.heartbeat, timing.offline_after / 2)
@@ -133,6 +139,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             "gateway.outbox": self.outbox_loop,
             "gateway.events": self.event_loop,
             "gateway.deliver": self.deliver_loop,
+            "gateway.releases": self.release_loop,
         }
 
     async def heartbeat_loop(self) -> None:
@@ -198,6 +205,50 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             for (tid, token, stream), seq in upto.items():
                 s.send(pb.ServerMessage(log_ack=pb.LogAck(task_id=str(tid), fencing_token=token, stream=stream, seq=seq)))
         return True
+
+    async def release_loop(self) -> None:
+        """Record nodes' release proofs: every proof received since the last pass in one statement.
+        A proof is a compare-and-set on its attempt (task, token, node), so recording one twice, or
+        after the node-loss policy released the attempt, changes nothing."""
+        delay = 0.05
+        while True:
+            await self._proofs_ready.wait()
+            self._proofs_ready.clear()
+            pending, self._proofs = self._proofs, []
+            if not pending:
+                continue
+            try:
+                accepted = await self.reports_store.release_proofs(pending)
+            except StoreUnavailable as e:
+                log.warning("%d release proofs not recorded yet: %s", len(pending), e)
+                self._proofs = pending + self._proofs
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                self._proofs_ready.set()
+                continue
+            delay = 0.05
+            metrics.RELEASE_PROOFS.labels("accepted").inc(len(accepted))
+            metrics.RELEASE_PROOFS.labels("refused").inc(len(pending) - len(accepted))
+            taken = {(t, tok) for t, tok, _freed in accepted}
+            for tid, tok, node_id, _ref, _at in pending:
+                if (tid, tok) not in taken:
+                    log.info("node %s: release proof for task %s token %d refused (not its attempt, or already released)",
+                             node_id, tid, tok)  # fmt: skip
+
+    def _add_proof(self, s: Session, proof: pb.ReleaseProof) -> None:
+        try:
+            tid = uuid.UUID(proof.task_id)
+        except ValueError:
+            log.warning("node %s sent a release proof for a malformed task id %r", s.node_id, proof.task_id)
+            return
+        # the node's clock is only recorded, never compared; a value that is no time at all is dropped
+        at = proof.released_at if math.isfinite(proof.released_at) and 0 <= proof.released_at < 1e11 else 0.0
+        self._proofs.append((tid, proof.fencing_token, s.node_id, proof.backend_ref, at))
+        self._proofs_ready.set()
+
+    async def _inventory(self, s: Session, artifacts: list[str]) -> None:
+        """The image digests a node holds changed: placement prefers it for tasks pinned to them."""
+        await self.store.set_artifacts(s.node_id, s.session, artifacts[:MAX_ARTIFACTS])
 
     async def outbox_loop(self) -> None:
         """LISTEN for per-node wake-ups, and sweep every node with a pending outbox as a backstop."""
@@ -404,7 +455,8 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 gpu_indexes=list(hello.gpu_indexes), cpu_millis=c.cpu_millis, memory_bytes=c.memory_bytes,
                 disk_bytes=c.disk_bytes, gpus=c.gpus, slots=c.slots, gateway_id=self.server_id,
                 agent_version=hello.agent_version, instance_id=hello.instance_id, peer=context.peer() or "",
-                handover_after=self.handover_after,
+                handover_after=self.handover_after, egress_contexts=_egress_of(hello),
+                enforces_limits=hello.enforces_limits,
             )  # fmt: skip
         except StoreUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server cannot reach its database: {e}")
@@ -472,6 +524,12 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                     self._beats[s.node_id] = (s.session, msg.heartbeat.seq)
                 elif kind == "event":
                     await self._enqueue_event(s, msg.event)
+                    if msg.event.kind == pb.TaskEvent.NOT_RUNNING:
+                        # "no such attempt here" also proves that no sandbox of it exists here: it
+                        # releases a container attempt that never reported one (revoked before it
+                        # started) — never one that did, whose proof must name the container
+                        self._add_proof(s, pb.ReleaseProof(task_id=msg.event.task_id, fencing_token=msg.event.fencing_token,
+                                                           released_at=time.time()))  # fmt: skip
                 elif kind == "log":
                     lc = msg.log
                     try:
@@ -484,6 +542,10 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                         continue
                     self._logs.setdefault(s.node_id, []).append(
                         (tid, lc.fencing_token, lc.stream, lc.seq, lc.offset, lc.data))  # fmt: skip
+                elif kind == "released":
+                    self._add_proof(s, msg.released)
+                elif kind == "inventory":
+                    await self._persist(s, lambda: self._inventory(s, list(msg.inventory.artifacts)))
                 elif kind == "hello":
                     log.warning("node %s sent a second Hello; ignored", s.node_id)
         except StoreUnavailable as e:
@@ -703,7 +765,10 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 self._answer(s, p, applied=False)
                 continue
             f = facts(row)
-            step = policy.on_node_event(f, p.kind, ev.exit_code if p.kind == policy.EXITED else None, self.timing)
+            step = policy.on_node_event(
+                f, p.kind, ev.exit_code if p.kind == policy.EXITED else None, self.timing,
+                failure_class=ev.failure_class, message=ev.message,
+            )  # fmt: skip
             if step is None:
                 if p.kind == policy.PROVISIONING and f.state in _ACCEPTED:
                     self._accepted(s, ev.task_id, ev.fencing_token)  # a repeat: it was recorded
@@ -714,7 +779,8 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 p.task_id, f.state, step.to, actor=f"node:{s.node_id}", reason=step.reason,
                 fencing_token=ev.fencing_token, node_id=s.node_id, exit_code=step.exit_code,
                 lease_seconds=step.lease_seconds, end_attempt=step.end_attempt,
-                attempt_state=step.attempt_state, stop=step.stop,
+                attempt_state=step.attempt_state, stop=step.stop, failure_class=step.failure_class,
+                detail=step.detail, backend_ref=ev.backend_ref or None, release=step.release,
             ))  # fmt: skip
             planned.append((s, p))
         results = await self.reports_store.transition_many(changes) if changes else []
@@ -758,6 +824,11 @@ class Gateway(pb_grpc.AgentGatewayServicer):
 
 # States in which an attempt's "provisioning" has been recorded: the node may start it.
 _ACCEPTED = (TaskState.PROVISIONING, TaskState.RUNNING)
+
+
+def _egress_of(h: pb.Hello) -> list[str]:
+    """The egress contexts a node declared; one that declares none has what any process has."""
+    return sorted(set(h.egress_contexts)) or ["open"]
 
 
 def _check_hello(h: pb.Hello) -> str | None:

@@ -64,6 +64,10 @@ def _has_capabilities(req: Requirements, node: NodeSnapshot) -> bool:
     return req.capabilities <= node.capabilities
 
 
+def _provides_egress(req: Requirements, node: NodeSnapshot) -> bool:
+    return req.egress is None or req.egress in node.egress_contexts
+
+
 def _not_draining(req: Requirements, node: NodeSnapshot) -> bool:
     return not node.draining
 
@@ -84,11 +88,12 @@ STATIC_CHECKS: tuple[tuple[str, Callable[[Requirements, NodeSnapshot], bool]], .
     (reasons.NO_PROTOCOL, _speaks_protocol),
     (reasons.NO_LABELS, _carries_labels),
     (reasons.NO_CAPABILITY, _has_capabilities),
+    (reasons.NO_EGRESS, _provides_egress),
     (reasons.ALL_DRAINING, _not_draining),
     (reasons.UNREACHABLE, _reachable),
 )
 
-GroupKey = tuple[str, str, frozenset[str], int, int, frozenset[str], bool, str]
+GroupKey = tuple[str, str, frozenset[str], int, int, frozenset[str], bool, str, frozenset[str]]
 
 
 def group_key(node: NodeSnapshot) -> GroupKey:
@@ -108,6 +113,7 @@ def group_key(node: NodeSnapshot) -> GroupKey:
         node.capabilities,
         node.draining,
         node.health,
+        node.egress_contexts,
     )
 
 

@@ -62,7 +62,7 @@ _MEMO = 8
 
 #: A requirement shape: the fields the static checks read. Tasks with the same shape see the
 #: same compatible nodes, so they share one ordered structure.
-ShapeKey = tuple[str | None, str | None, str, int, frozenset[tuple[str, str]], frozenset[str]]
+ShapeKey = tuple[str | None, str | None, str, int, frozenset[tuple[str, str]], frozenset[str], str | None]
 
 #: A rank key: (rank, node id, node). Ids are unique, so two keys never compare their nodes.
 Key = tuple[float, str, Any]
@@ -224,6 +224,7 @@ def shape_key(req: Requirements) -> ShapeKey:
         req.protocol,
         frozenset(req.labels.items()),
         req.capabilities,
+        req.egress,
     )
 
 

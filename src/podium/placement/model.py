@@ -86,11 +86,16 @@ class NodeSnapshot:
     reserved: Resources = Resources()
     artifacts: frozenset[str] = frozenset()
     gpu_free: tuple[int, ...] = ()  # free GPU device indexes on this node
+    # The network egress contexts the node can give a task ("none", "open"). A node that declares
+    # nothing provides what any plain process has: an open network.
+    egress_contexts: frozenset[str] = frozenset({"open"})
 
     def __post_init__(self) -> None:
         # The placer hashes these; a plain set from a caller would break it but not select_node.
         if type(self.capabilities) is not frozenset:
             object.__setattr__(self, "capabilities", frozenset(self.capabilities))
+        if type(self.egress_contexts) is not frozenset:
+            object.__setattr__(self, "egress_contexts", frozenset(self.egress_contexts))
         if type(self.backends) is not frozenset:
             object.__setattr__(self, "backends", frozenset(self.backends))
         if type(self.artifacts) is not frozenset:
@@ -123,6 +128,7 @@ class NodeSnapshot:
             self.reserved + resources,
             self.artifacts,
             gpu_free,
+            self.egress_contexts,
         )
 
 
@@ -144,6 +150,8 @@ class Requirements:
     # they rank after every other fitting node, and are still used when nothing else fits (a
     # one-node fleet must still be able to retry).
     avoid_nodes: frozenset[str] = frozenset()
+    # The network egress the task needs ("none", "open"), or None for no requirement.
+    egress: str | None = None
 
     def __post_init__(self) -> None:
         if type(self.avoid_nodes) is not frozenset:
@@ -180,6 +188,9 @@ class NodeVerdict:
     node_id: str
     failed: str | None  # the reason of the first check this node failed, or None if it fits
     score: float | None  # its score when it fits
+    # the preferred artifacts (the task's pinned image digest first) this node holds: placement
+    # tries such nodes before any other (locality), whatever their score
+    holds: tuple[str, ...] = ()
 
 
 

@@ -122,5 +122,6 @@ def explain(
     for node in sorted(snapshots, key=lambda n: n.id):
         failed = first_failure(req, node)
         score = None if failed is not None else score_of(utilisation(node), policy)
-        verdicts.append(NodeVerdict(node.id, failed, score))
+        holds = tuple(a for a in req.preferred_artifacts if a in node.artifacts)
+        verdicts.append(NodeVerdict(node.id, failed, score, holds))
     return verdicts

@@ -2,7 +2,8 @@
 
 Nothing here reads a clock, a database or a socket. Each function returns a `Step` — the transition
 to attempt, with its reason and what happens to the attempt — or None when the happening changes
-nothing. The service applies a Step through `Store.transition_task` with the `from` it read, so two
+nothing. A step that ends an attempt also says what class of end it was (`podium.failures`), so the
+class is written in the same compare-and-set as the end. The service applies a Step through `Store.transition_task` with the `from` it read, so two
 deciders racing on one task give one accepted transition and one rejected no-op.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from podium import reasons
+from podium import failures, reasons
+from podium.failures import FailureClass
 from podium.states import AttemptState, TaskState
 from podium.timing import Timing
 
@@ -29,6 +31,11 @@ class Step:
     lease_seconds: float | None = None  # None: keep; NO_LEASE: clear; else now() + this
     stop: bool = False  # tell the node to stop the attempt
     exit_code: int | None = None
+    failure_class: FailureClass | None = None  # what kind of end this is; None for a success
+    detail: str | None = None  # the node's or engine's own words, stored beside the reason
+    # The node-loss policy gives up on the node: free a container attempt's capacity with its end,
+    # without waiting for a release proof that can no longer come.
+    release: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +64,25 @@ NOT_RUNNING = "NOT_RUNNING"
 _LIVE = (S.ASSIGNED, S.PROVISIONING, S.RUNNING)
 
 
-def on_node_event(task: TaskFacts, kind: str, exit_code: int | None, timing: Timing) -> Step | None:
-    """A node's report about the attempt it holds (its fencing token already checked)."""
+#: The node-loss reasons under which the node is known to hold nothing of the attempt any more: it is
+#: offline (and fenced), removed from the fleet, said itself that it has no such attempt, or the agent
+#: process that ran it was replaced and its fence deadline has passed (a replacement on another host
+#: could never prove its predecessor's sandbox removed). A lease that merely expired on a node still
+#: talking is not one: its sandbox may still be there.
+_GONE = frozenset({reasons.NODE_LOST, reasons.NODE_REVOKED, reasons.NODE_FORGOT, reasons.INSTANCE_REPLACED})
+
+
+def on_node_event(
+    task: TaskFacts,
+    kind: str,
+    exit_code: int | None,
+    timing: Timing,
+    *,
+    failure_class: str = "",
+    message: str = "",
+) -> Step | None:
+    """A node's report about the attempt it holds (its fencing token already checked), with the
+    node's class for an end and its words about it."""
     st = task.state
     if kind == PROVISIONING:
         if st == S.ASSIGNED:
@@ -75,38 +99,60 @@ def on_node_event(task: TaskFacts, kind: str, exit_code: int | None, timing: Tim
         if st in _LIVE:
             if kind == NOT_RUNNING:
                 return on_node_loss(task, reasons.NODE_FORGOT)
-            if exit_code == 0:
-                return Step(S.SUCCEEDED, end_attempt=A.EXITED, exit_code=0)
-            return Step(S.FAILED, reasons.EXITED_NONZERO, end_attempt=A.EXITED, exit_code=exit_code)
+            return _exited(exit_code, failures.from_node(failure_class), failures.detail(message))
         if st == S.CANCELLING:
-            return _stopped(task, exit_code)
+            return _stopped(task, exit_code, detail=failures.detail(message))
         return None
     if kind == FAILED_RETRYABLE:
         if st in _LIVE:
-            return on_retryable(task)
+            return on_retryable(task, failure_class, message)
         if st == S.CANCELLING:
-            return _stopped(task, None)
+            return _stopped(task, None, detail=failures.detail(message))
         return None
     raise ValueError(f"unknown event kind {kind!r}")
 
 
-def on_retryable(task: TaskFacts) -> Step:
-    """The node is finished with the task either way; the attempt budget decides if anybody else tries."""
-    if task.attempts_left:
-        return Step(S.QUEUED, reasons.RETRYABLE_ERROR, end_attempt=A.FAILED)
-    return Step(S.FAILED, reasons.RETRYABLE_ERROR, end_attempt=A.FAILED)
+def _exited(exit_code: int | None, cls: FailureClass | None, detail: str | None) -> Step:
+    """An end the node reports as final: the node's class names it when it has one (an OOM kill, a
+    sandbox it could not prepare), else the exit code does."""
+    if cls == failures.OOM:
+        return Step(S.FAILED, reasons.OOM, end_attempt=A.EXITED, exit_code=exit_code, failure_class=cls, detail=detail)
+    if cls == failures.PROVISIONING:
+        return Step(S.FAILED, reasons.PROVISIONING_FAILED, end_attempt=A.FAILED, exit_code=exit_code,
+                    failure_class=cls, detail=detail)  # fmt: skip
+    if cls == failures.INTERNAL:
+        return Step(S.FAILED, reasons.NODE_ERROR, end_attempt=A.FAILED, exit_code=exit_code, failure_class=cls, detail=detail)
+    if exit_code == 0:
+        return Step(S.SUCCEEDED, end_attempt=A.EXITED, exit_code=0, detail=detail)
+    return Step(S.FAILED, reasons.EXITED_NONZERO, end_attempt=A.EXITED, exit_code=exit_code,
+                failure_class=failures.EXIT, detail=detail)  # fmt: skip
+
+
+def on_retryable(task: TaskFacts, failure_class: str = "", message: str = "") -> Step:
+    """The node is finished with the task either way; the attempt budget decides if anybody else tries.
+    A sandbox the node could not prepare (a pull, a create) is `provisioning`; anything else it could
+    not do is `internal`."""
+    cls = failures.from_node(failure_class)
+    if cls == failures.PROVISIONING:
+        reason = reasons.PROVISIONING_FAILED
+    elif cls == failures.OOM:
+        reason = reasons.OOM
+    else:
+        cls, reason = failures.INTERNAL, reasons.RETRYABLE_ERROR
+    to = S.QUEUED if task.attempts_left else S.FAILED
+    return Step(to, reason, end_attempt=A.FAILED, failure_class=cls, detail=failures.detail(message))
 
 
 def on_node_loss(task: TaskFacts, reason: str) -> Step | None:
     """The node-loss policy: requeue if the spec allows it and attempts remain, else lost."""
+    gone = reason in _GONE
     if task.state == S.CANCELLING:
         # A task being stopped whose node is gone is stopped: that is what the cancel asked for.
-        return _stopped(task, None, end=A.LOST)
+        return _stopped(task, None, end=A.LOST, release=gone)
     if task.state not in _LIVE:
         return None
-    if task.requeue_on_node_loss and task.attempts_left:
-        return Step(S.QUEUED, reason, end_attempt=A.LOST, stop=True)
-    return Step(S.LOST, reason, end_attempt=A.LOST, stop=True)
+    to = S.QUEUED if task.requeue_on_node_loss and task.attempts_left else S.LOST
+    return Step(to, reason, end_attempt=A.LOST, stop=True, failure_class=failures.NODE_LOST, release=gone)
 
 
 def on_accept_overdue(task: TaskFacts) -> Step | None:
@@ -114,7 +160,7 @@ def on_accept_overdue(task: TaskFacts) -> Step | None:
     if task.state != S.ASSIGNED:
         return None
     to = S.QUEUED if task.attempts_left else S.FAILED
-    return Step(to, reasons.NOT_ACCEPTED, end_attempt=A.REVOKED, stop=True)
+    return Step(to, reasons.NOT_ACCEPTED, end_attempt=A.REVOKED, stop=True, failure_class=failures.NOT_ACCEPTED)
 
 
 def on_cancel(task: TaskFacts, reason: str = reasons.CANCELLED) -> Step | None:
@@ -122,7 +168,7 @@ def on_cancel(task: TaskFacts, reason: str = reasons.CANCELLED) -> Step | None:
     if task.state == S.QUEUED:
         if reason == reasons.TIMEOUT:
             return None
-        return Step(S.CANCELLED, reason)
+        return Step(S.CANCELLED, reason, failure_class=failures.CANCELLED)
     if task.state in _LIVE:
         return Step(S.CANCELLING, reason, stop=True)
     return None
@@ -157,10 +203,22 @@ def on_undeliverable(task: TaskFacts, problem: str) -> Step | None:
     if task.state != TaskState.ASSIGNED:
         return None  # the attempt moved on (cancelled, revoked): nothing left to fail
     reason = reasons.SECRET_MISSING if problem == SECRET_GONE else reasons.SECRET_UNREADABLE
-    return Step(TaskState.FAILED, reason, end_attempt=AttemptState.REVOKED)
+    # The Assign never left the server, so nothing of the attempt exists on the node to prove
+    # removed: its capacity is released with the end.
+    return Step(TaskState.FAILED, reason, end_attempt=AttemptState.REVOKED, failure_class=failures.PROVISIONING,
+                release=True)  # fmt: skip
 
 
-def _stopped(task: TaskFacts, exit_code: int | None, end: AttemptState = A.STOPPED) -> Step:
+def on_invariant_broken() -> Step:
+    """A task on a node-state with no node or no token: nothing a node or operator did; fail it."""
+    return Step(S.FAILED, reasons.NO_LEASE, end_attempt=A.LOST, stop=True, failure_class=failures.INTERNAL)
+
+
+def _stopped(
+    task: TaskFacts, exit_code: int | None, end: AttemptState = A.STOPPED, *, detail: str | None = None, release: bool = False
+) -> Step:
     if task.cancel_reason == reasons.TIMEOUT:
-        return Step(S.FAILED, reasons.TIMEOUT, end_attempt=end, exit_code=exit_code)
-    return Step(S.CANCELLED, reasons.CANCELLED, end_attempt=end, exit_code=exit_code)
+        return Step(S.FAILED, reasons.TIMEOUT, end_attempt=end, exit_code=exit_code, failure_class=failures.TIMEOUT,
+                    detail=detail, release=release)  # fmt: skip
+    return Step(S.CANCELLED, reasons.CANCELLED, end_attempt=end, exit_code=exit_code, failure_class=failures.CANCELLED,
+                detail=detail, release=release)  # fmt: skip

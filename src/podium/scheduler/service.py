@@ -75,12 +75,18 @@ def node_snapshot(row: asyncpg.Record) -> NodeSnapshot:
         ),
         artifacts=frozenset(row["artifacts"]),
         gpu_free=tuple(g for g in sorted(row["gpu_indexes"]) if g not in in_use),
+        egress_contexts=frozenset(row["egress_contexts"]),
     )
 
 
 def requirements(
-    spec: dict[str, Any], cpu: int, memory: int, disk: int, gpus: int, avoid: list[str] | None = None
+    spec: dict[str, Any], cpu: int, memory: int, disk: int, gpus: int, avoid: list[str] | None = None,
+    image_digest: str | None = None,
 ) -> Requirements:
+    # A node already holding the digest the task's image was pinned to comes first (locality).
+    preferred = tuple(spec.get("preferred_artifacts") or ())
+    if image_digest and image_digest not in preferred:
+        preferred = (image_digest, *preferred)
     return Requirements(
         resources=Resources(cpu, memory, disk, gpus, 1),
         labels=spec.get("labels") or {},
@@ -89,9 +95,10 @@ def requirements(
         capabilities=frozenset(spec.get("capabilities") or ()),
         backend=spec.get("backend", "process"),
         protocol=spec.get("protocol", 1),
-        preferred_artifacts=tuple(spec.get("preferred_artifacts") or ()),
+        preferred_artifacts=preferred,
         home_node=spec.get("home_node"),
         avoid_nodes=frozenset(avoid or ()),
+        egress=spec.get("egress"),
     )
 
 
@@ -205,7 +212,9 @@ class Scheduler:
         placed: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}
         for t in tasks:
-            req = requirements(t["spec"], t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], t["avoid"])
+            req = requirements(
+                t["spec"], t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], t["avoid"], t["image_digest"]
+            )
             result = placer.place(req)
             if isinstance(result, Unplaceable):
                 unplaced[t["id"]] = result.reason
@@ -260,6 +269,9 @@ class Scheduler:
             end_attempt=step.end_attempt,
             attempt_state=step.attempt_state,
             stop=step.stop,
+            failure_class=step.failure_class,
+            detail=step.detail,
+            release=step.release,
         )
         if result is not None:
             log.debug("task %s: %s → %s (%s)", task_id, from_, step.to, step.reason or "-")
@@ -281,7 +293,7 @@ class Scheduler:
             why = {"offline": reasons.NODE_LOST, "revoked": reasons.NODE_REVOKED, "lease": reasons.LEASE_EXPIRED}.get(row["why"])
             f = facts(row)
             if why is None:  # on no node and holding no lease: an invariant broken somewhere
-                step: Step | None = Step(TaskState.FAILED, reasons.NO_LEASE, end_attempt=policy.A.LOST, stop=True)
+                step: Step | None = policy.on_invariant_broken()
             else:
                 step = policy.on_node_loss(f, why)
             await self.apply(row["id"], f.state, step, fencing_token=row["fencing_token"])
@@ -297,6 +309,12 @@ class Scheduler:
                     {"task": str(row["id"]), "fencing_token": row["fencing_token"]},
                 )  # fmt: skip
         await self.store.handover_done()
+
+        # Container attempts that ended on a node the node-loss policy has now given up on will never
+        # get their release proof: release them, with a proof that says so.
+        for r in await self.store.release_abandoned(SWEEP_LIMIT):
+            log.info("attempt %d of task %s on node %s: released without a proof (its node is gone)",
+                     r["fencing_token"], r["task_id"], r["node_id"])  # fmt: skip
 
         for row in await self.store.overdue_accepts(SWEEP_LIMIT):
             f = facts(row)
@@ -321,7 +339,9 @@ class Scheduler:
         nodes = await self.store.placement_nodes()
         everyone = {r["id"]: r for r in await self.store.list_nodes()}
         avoid = [a["node_id"] for a in (await self.store.task_detail(task_id))[1] if a["state"] in ("revoked", "lost", "failed")]
-        req = requirements(task["spec"], task["cpu_millis"], task["memory_bytes"], task["disk_bytes"], task["gpus"], avoid)
+        req = requirements(
+            task["spec"], task["cpu_millis"], task["memory_bytes"], task["disk_bytes"], task["gpus"], avoid, task["image_digest"]
+        )
         snaps = [node_snapshot(n) for n in nodes]
         connected = {n.id for n in snaps}
         for nid, row in everyone.items():

@@ -135,6 +135,16 @@ class Security:
         have = {r["name"] for r in await self.store.get_secrets(names)}
         return [n for n in names if n not in have]
 
+    async def registry_credentials(self, image: str) -> tuple[str, str] | None:
+        """(username, password) stored for the registry `image` comes from, or None. For the server's
+        own calls to that registry (resolving a tag); never logged."""
+        name = REGISTRY_PREFIX + registry_of(image)
+        rows = await self.store.get_secrets([name])
+        if not rows:
+            return None
+        login = json.loads(self.box.open(name, rows[0]["nonce"], rows[0]["ciphertext"]))
+        return login["username"], login["password"]
+
     async def resolve(self, spec: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
         """(env, value) of every secret the spec names, and (registry, user, password) for the
         registry its image comes from, if one is stored. Called just before the Assign is sent.

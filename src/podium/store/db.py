@@ -81,6 +81,10 @@ class Change:
     end_attempt: AttemptState | str | None = None
     attempt_state: AttemptState | str | None = None
     stop: bool = False
+    failure_class: str | None = None  # the class of an end (podium.failures), written with it
+    detail: str | None = None  # the words beside the reason: a node's, an engine's, a registry's
+    backend_ref: str | None = None  # the backend's reference to what runs, recorded on the attempt
+    release: bool = False  # free a container attempt's capacity with its end, without a proof
 
     def row(self) -> tuple[Any, ...]:
         if not is_allowed(TaskState(self.from_), TaskState(self.to)):
@@ -89,6 +93,8 @@ class Change:
             self.task_id, str(self.from_), str(self.to), self.reason, self.fencing_token, self.node_id,
             self.exit_code, self.lease_seconds, None if self.end_attempt is None else str(self.end_attempt),
             None if self.attempt_state is None else str(self.attempt_state), self.stop, self.actor,
+            None if self.failure_class is None else str(self.failure_class), self.detail, self.backend_ref or None,
+            self.release,
         )  # fmt: skip
 
 
@@ -321,6 +327,10 @@ class Store:
         end_attempt: AttemptState | str | None = None,
         attempt_state: AttemptState | str | None = None,
         stop: bool = False,
+        failure_class: str | None = None,
+        detail: str | None = None,
+        backend_ref: str | None = None,
+        release: bool = False,
         conn: asyncpg.Connection | None = None,
     ) -> Transition | None:
         """Move a task from `from_` to `to`, or do nothing and return None.
@@ -329,12 +339,15 @@ class Store:
         node's task is rejected like a wrong `from`. `end_attempt` closes the current attempt with that
         state and frees its capacity; `attempt_state` moves it forward instead. `lease_seconds` sets the
         lease from the database clock (negative: no lease of its own, held by node health). `stop`
-        asks the node to stop the attempt.
+        asks the node to stop the attempt. `failure_class` and `detail` are written with an end, in the
+        same statement; a container attempt's end frees its capacity only with a recorded release
+        proof, or with `release` (the node-loss policy gave up on its node).
         """
         change = Change(
             task_id, from_, to, actor=actor, reason=reason, fencing_token=fencing_token, node_id=node_id,
             exit_code=exit_code, lease_seconds=lease_seconds, end_attempt=end_attempt,
-            attempt_state=attempt_state, stop=stop,
+            attempt_state=attempt_state, stop=stop, failure_class=failure_class, detail=detail,
+            backend_ref=backend_ref, release=release,
         )  # fmt: skip
         cols = _columns([change])
         if conn is not None:
@@ -602,6 +615,8 @@ class Store:
         instance_id: str = "",
         peer: str = "",
         handover_after: float = 0.0,
+        egress_contexts: Sequence[str] = ("open",),
+        enforces_limits: bool = False,
     ) -> NodeHello:
         """Record a (re)connecting agent instance and give the node a new session (`row` is None if
         the node was revoked). With an instance id: an instance superseded before is refused (`refused_by` names
@@ -619,7 +634,7 @@ class Store:
                 self.q["node_hello"],
                 node_id, name, pool, arch, labels, capabilities, backends, artifacts,
                 protocol_min, protocol_max, gpu_indexes, cpu_millis, memory_bytes, disk_bytes,
-                gpus, slots, gateway_id, agent_version, instance_id, peer,
+                gpus, slots, gateway_id, agent_version, instance_id, peer, list(egress_contexts), enforces_limits,
             )  # fmt: skip
             if row is None or not instance_id:
                 return NodeHello(row)
@@ -750,6 +765,72 @@ class Store:
             row = await conn.fetchrow(self.q["set_draining"], node_id, draining)
         if row is None:
             raise NotFound(f"no node {node_id!r}")
+
+    # ---- sandboxes: resolved images, release proofs, inventories ---------------------------------
+
+    async def claim_unresolved(self, limit: int, lease_seconds: float) -> list[asyncpg.Record]:
+        """Up to `limit` queued container tasks due for resolving their image, each held for
+        `lease_seconds` against other resolvers: (id, image, resolve_tries)."""
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["claim_unresolved"], limit, lease_seconds)
+
+    async def set_resolved(self, digests: Sequence[tuple[uuid.UUID, str]]) -> set[uuid.UUID]:
+        """Pin tasks' images to these digests; the tasks written (still queued and unresolved)."""
+        if not digests:
+            return set()
+        async with self._conn() as conn:
+            rows = await conn.fetch(self.q["set_resolved"], [d[0] for d in digests], [d[1] for d in digests], reasons.WAITING)
+        return {r["id"] for r in rows}
+
+    async def set_unresolved(self, rows: Sequence[tuple[uuid.UUID, str | None, float]]) -> None:
+        """(task, the registry's words, seconds until the next try): the registry cannot be reached."""
+        if rows:
+            async with self._conn() as conn:
+                await conn.execute(
+                    self.q["set_unresolved"], [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                    reasons.REGISTRY_UNREACHABLE,
+                )  # fmt: skip
+
+    async def release_proofs(
+        self, proofs: Sequence[tuple[uuid.UUID, int, str, str, float]]
+    ) -> list[tuple[uuid.UUID, int, bool]]:
+        """Record nodes' release proofs: (task, fencing token, node, backend reference, released at in
+        unix seconds by the node's clock). Returns the proofs accepted, each with whether it freed the
+        capacity now (False: the attempt's end is not recorded yet, and will free it). A proof not in
+        the answer was refused and changed nothing."""
+        if not proofs:
+            return []
+        tasks = sorted({p[0] for p in proofs})
+        nodes = sorted({p[2] for p in proofs})
+        async with self._conn() as conn, conn.transaction():
+            # the order every other change takes its rows in: tasks, then nodes, each in id order
+            await conn.execute(self.q["lock_tasks"], tasks)
+            await conn.execute(self.q["lock_nodes"], nodes)
+            rows = await conn.fetch(
+                self.q["release_proofs"],
+                [p[0] for p in proofs], [p[1] for p in proofs], [p[2] for p in proofs], [p[3] for p in proofs],
+                [p[4] for p in proofs],
+            )  # fmt: skip
+        return [(r["task_id"], r["fencing_token"], r["released"]) for r in rows]
+
+    async def release_abandoned(self, limit: int) -> list[asyncpg.Record]:
+        """Release the ended container attempts waiting for a proof on nodes that are offline or
+        removed: the node-loss policy has given up on them, and says so in the proof."""
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["release_abandoned"], limit, reasons.NODE_REVOKED, reasons.NODE_LOST)
+
+    async def nodes_releasing(self, node_ids: Sequence[str]) -> dict[str, asyncpg.Record]:
+        """Per node, the capacity ended attempts still hold until their release proof."""
+        if not node_ids:
+            return {}
+        async with self._conn() as conn:
+            return {r["node_id"]: r for r in await conn.fetch(self.q["nodes_releasing"], list(node_ids))}
+
+    async def set_artifacts(self, node_id: str, session: int, artifacts: Sequence[str]) -> bool:
+        """A node's inventory of image digests, from its current session. False if not written (an
+        old session, a removed node, or nothing changed)."""
+        async with self._conn() as conn:
+            return await conn.fetchrow(self.q["set_artifacts"], node_id, session, sorted(set(artifacts))) is not None
 
     # ---- security -------------------------------------------------------------------------------
 

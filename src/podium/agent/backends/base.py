@@ -1,5 +1,5 @@
 """The one small interface every way of running a task implements (the shape of Nomad's task driver
-verbs): fingerprint, start, wait, stop, destroy, recover.
+verbs): fingerprint, prepare, start, wait, stop, destroy, recover.
 
 The agent's loop talks only to this interface, so it never knows whether a task is a process group
 or a container. A backend owns its sandboxes and nothing else: it never decides a task's state, never
@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -152,6 +152,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def fingerprint(self) -> Fingerprint:
         """Is it usable now, and what does it offer (limits, egress contexts, artifacts held)?"""
+
+    async def prepare(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> None:
+        """Get ready what `start` needs (pull the image, create the container) while the attempt is
+        still provisioning, before the server's Accepted; raise StartFailed if it cannot be. Nothing
+        runs yet."""
+
+    async def discard(self, spec: RunSpec) -> ReleaseProof:
+        """Remove what `prepare` made for an attempt that never started, and prove it gone (the ref
+        is empty when nothing was made)."""
+        return ReleaseProof(ref="", at=datetime.now(UTC))
 
     @abc.abstractmethod
     async def start(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> Handle:

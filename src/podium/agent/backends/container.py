@@ -94,18 +94,24 @@ class ContainerBackend(Backend):
         # container silent for minutes is not an engine failure
         self._blocking: docker.DockerClient | None = None
         self._enforces_limits: bool | None = None
+        # containers created while provisioning, by (task, token), until started or discarded
+        self._prepared: dict[tuple[str, int], _State] = {}
 
     # ---- clients -------------------------------------------------------------------------------
 
-    def _client(self, timeout: float | None) -> docker.DockerClient:
+    def _probe(self) -> None:
+        """Connect to a unix socket engine afresh: raise OSError if nothing listens there now."""
         url = self.host or os.environ.get("DOCKER_HOST") or docker.constants.DEFAULT_UNIX_SOCKET
         path = url.removeprefix("http+unix://").removeprefix("unix://")
         if path != url:
-            # the SDK asks the engine's version as it is made and, when the socket refuses, leaks
-            # the socket it tried: try it ourselves first, and say plainly what is not there
             with socket.socket(socket.AF_UNIX) as s:
                 s.settimeout(CONTROL_TIMEOUT)
                 s.connect(path)
+
+    def _client(self, timeout: float | None) -> docker.DockerClient:
+        # the SDK asks the engine's version as it is made and, when the socket refuses, leaks the
+        # socket it tried: try it ourselves first, and say plainly what is not there
+        self._probe()
         if self.host:
             return docker.DockerClient(base_url=self.host, timeout=timeout)  # type: ignore[arg-type]
         return docker.from_env(timeout=timeout)  # type: ignore[arg-type]
@@ -137,6 +143,17 @@ class ContainerBackend(Backend):
             return Fingerprint(kind=KIND, available=False, detail=f"no container engine reachable: {e}")
 
     def _fingerprint(self) -> Fingerprint:
+        # a fresh connection, not the pooled one: an engine whose socket is gone (stopped, moved) takes
+        # no new work even while an old connection still answers
+        try:
+            self._probe()
+        except OSError:
+            # made anew once the engine is back; the blocking client is only dropped, not closed:
+            # output streams of running containers may still be read through it
+            if self._control is not None:
+                self._control.close()
+            self._control = self._blocking = None
+            raise
         api = self.control.api
         api.ping()
         version = api.version()
@@ -169,17 +186,48 @@ class ContainerBackend(Backend):
             await self.fingerprint()
         return bool(self._enforces_limits)
 
+    @property
+    def engine_url(self) -> str:
+        """The engine as another process (the fence keeper) should reach it: the explicit URL, or
+        "env" for DOCKER_HOST and the default socket, read there as here."""
+        return self.host or "env"
+
     # ---- start ---------------------------------------------------------------------------------
 
-    async def start(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> Handle:
-        # the sandbox has its own filesystem: the node's workdir is not mounted into it
-        del workdir
+    def _check(self, spec: RunSpec) -> None:
         if not spec.image:
             raise StartFailed(FAILURE_PROVISIONING, "a container task needs an image")
         if spec.egress not in (EGRESS_NONE, EGRESS_OPEN):
             raise StartFailed(FAILURE_PROVISIONING, f"unknown egress context {spec.egress!r}")
+
+    async def prepare(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> None:
+        # the pull and the create: provisioning, done before the attempt may start; `start` then
+        # only starts the container made here (`discard` removes it if it never starts)
+        del workdir
+        self._check(spec)
         limits = await self.enforces_limits()
-        state = await asyncio.to_thread(self._create_and_start, spec, dict(env), limits)
+        try:
+            state = await asyncio.to_thread(self._create, spec, dict(env), limits)
+        except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
+            raise StartFailed(FAILURE_PROVISIONING, f"pull {spec.image}: {_engine_words(e)}") from e
+        self._prepared[(spec.task_id, spec.token)] = state
+
+    async def discard(self, spec: RunSpec) -> ReleaseProof:
+        state = self._prepared.pop((spec.task_id, spec.token), None)
+        if state is None:
+            return ReleaseProof(ref="", at=datetime.now(UTC))
+        await asyncio.to_thread(self._remove, state.container_id)
+        return ReleaseProof(ref=state.container_id, at=datetime.now(UTC))
+
+    async def start(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> Handle:
+        # the sandbox has its own filesystem: the node's workdir is not mounted into it
+        del workdir
+        self._check(spec)
+        state = self._prepared.pop((spec.task_id, spec.token), None)
+        if state is None:
+            limits = await self.enforces_limits()
+            state = await asyncio.to_thread(self._create, spec, dict(env), limits)
+        await asyncio.to_thread(self._start, state)
         state.chunks = asyncio.Queue()
         loop = asyncio.get_running_loop()
         state.reader = threading.Thread(
@@ -216,7 +264,7 @@ class ContainerBackend(Backend):
         except docker.errors.APIError as e:
             raise StartFailed(FAILURE_PROVISIONING, f"pull {spec.image}: {_engine_words(e)}") from e
 
-    def _create_and_start(self, spec: RunSpec, env: dict[str, str], limits: bool) -> _State:
+    def _create(self, spec: RunSpec, env: dict[str, str], limits: bool) -> _State:
         assert spec.image is not None
         api = self.control.api
         self._ensure_image(spec)
@@ -251,8 +299,11 @@ class ContainerBackend(Backend):
             )
         except docker.errors.APIError as e:
             raise StartFailed(FAILURE_PROVISIONING, f"create: {_engine_words(e)}") from e
-        cid = created["Id"]
-        state = _State(container_id=cid, memory_limited=memory_limited)
+        return _State(container_id=created["Id"], memory_limited=memory_limited)
+
+    def _start(self, state: _State) -> None:
+        api = self.control.api
+        cid = state.container_id
         try:
             # attached before start, so the first line a container writes is not lost
             state.stream = self.blocking.api.attach(cid, stdout=True, stderr=True, stream=True, logs=True, demux=True)
@@ -262,7 +313,6 @@ class ContainerBackend(Backend):
             with contextlib.suppress(docker.errors.APIError):
                 api.remove_container(cid, force=True)
             raise StartFailed(FAILURE_PROVISIONING, f"start: {_engine_words(e)}") from e
-        return state
 
     # ---- output --------------------------------------------------------------------------------
 
@@ -350,13 +400,18 @@ class ContainerBackend(Backend):
 
     def _remove(self, cid: str) -> None:
         api = self.control.api
-        with contextlib.suppress(docker.errors.NotFound):
+        try:
             api.remove_container(cid, force=True, v=True)
+        except docker.errors.APIError as e:
+            if not _no_such_container(e):
+                raise
         # the proof is the engine saying it no longer knows the container
         try:
             api.inspect_container(cid)
-        except docker.errors.NotFound:
-            return
+        except docker.errors.APIError as e:
+            if _no_such_container(e):
+                return
+            raise
         raise RuntimeError(f"container {cid[:12]} still exists after removal")
 
     # ---- recover -------------------------------------------------------------------------------
@@ -406,6 +461,12 @@ def pull_auth(image: str, auth: RegistryAuth | None) -> dict[str, str] | None:
     if not _same_registry(auth.registry, registry):
         return None
     return {"username": auth.username, "password": auth.password, "serveraddress": registry}
+
+
+def _no_such_container(e: docker.errors.APIError) -> bool:
+    """The engine no longer knows the container: a 404, or podman's 500 "no such container" while
+    another removal of it is under way."""
+    return isinstance(e, docker.errors.NotFound) or "no such container" in _engine_words(e).lower()
 
 
 def _engine_words(e: BaseException) -> str:

@@ -3,9 +3,9 @@
 INSERT INTO nodes (id, name, pool, arch, labels, capabilities, backends, artifacts, protocol_min,
                    protocol_max, gpu_indexes, alloc_cpu_millis, alloc_memory_bytes, alloc_disk_bytes,
                    alloc_gpus, alloc_slots, health, connected, gateway_id, session, last_heartbeat_at,
-                   connected_at, agent_version, instance_id, instance_peer)
+                   connected_at, agent_version, instance_id, instance_peer, egress_contexts, enforces_limits)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, 'online', true, $17, 1,
-        now(), now(), $18, NULLIF($19, ''), $20)
+        now(), now(), $18, NULLIF($19, ''), $20, $21, $22)
 ON CONFLICT (id) DO UPDATE SET
     name = EXCLUDED.name, pool = EXCLUDED.pool, arch = EXCLUDED.arch,
     labels = CASE WHEN nodes.labels_overridden THEN nodes.labels ELSE EXCLUDED.labels END,
@@ -21,7 +21,8 @@ ON CONFLICT (id) DO UPDATE SET
     health = 'online', connected = true, gateway_id = EXCLUDED.gateway_id,
     session = nodes.session + 1, last_heartbeat_at = now(), connected_at = now(),
     agent_version = EXCLUDED.agent_version, instance_id = EXCLUDED.instance_id,
-    instance_peer = EXCLUDED.instance_peer, updated_at = now()
+    instance_peer = EXCLUDED.instance_peer, egress_contexts = EXCLUDED.egress_contexts,
+    enforces_limits = EXCLUDED.enforces_limits, updated_at = now()
 WHERE nodes.revoked_at IS NULL
 RETURNING id, session, draining, pg_notify('podium_dispatch', '')
 
@@ -191,3 +192,10 @@ WHERE (delivered_at IS NULL AND state = 'assigned') OR (stop_requested_at IS NOT
 -- An operator's labels replace the agent's from now on (labels_overridden), and wake placement.
 UPDATE nodes SET labels = $2, labels_overridden = true, updated_at = now() WHERE id = $1
 RETURNING id, pg_notify('podium_dispatch', '')
+
+-- set_artifacts --
+-- A node's Inventory: the image digests it holds now (placement prefers them). Only from the node's
+-- current session, and never for a removed node.
+UPDATE nodes SET artifacts = $3, updated_at = now()
+WHERE id = $1 AND session = $2 AND revoked_at IS NULL AND artifacts IS DISTINCT FROM $3
+RETURNING id

@@ -42,14 +42,21 @@ SELECT * FROM tasks WHERE idempotency_key = $1
 -- the actor. A row that matches nothing was rejected and changed nothing. `end_attempt` ends the
 -- current attempt with that attempt state, freeing its capacity exactly once; `attempt_state` moves
 -- it forward instead (provisioning, running); `stop` asks the node to stop it. At most one row per task.
+-- An end carries its failure class and the words beside its reason (`detail`). A container attempt's
+-- end frees its capacity only if its release proof is already recorded, or `release` says the
+-- node-loss policy gave up on the node (then the proof says so); otherwise it stays reserved until
+-- `release_proofs`. `backend_ref` is recorded on the attempt as it moves forward (with RUNNING).
 WITH d AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::int[],
-                         $8::float8[], $9::text[], $10::text[], $11::bool[], $12::text[])
-        AS d(id, from_state, to_state, reason, token, node, exit_code, lease, end_attempt, attempt_state, stop, actor)
+                         $8::float8[], $9::text[], $10::text[], $11::bool[], $12::text[], $13::text[], $14::text[],
+                         $15::text[], $16::bool[])
+        AS d(id, from_state, to_state, reason, token, node, exit_code, lease, end_attempt, attempt_state, stop, actor,
+             failure_class, detail, backend_ref, release)
 ), t AS (
     UPDATE tasks SET
         state = d.to_state,
         reason = d.reason,
+        reason_detail = d.detail,
         exit_code = CASE WHEN d.exit_code IS NULL THEN tasks.exit_code ELSE d.exit_code END,
         lease_expires_at = CASE
             WHEN d.end_attempt IS NOT NULL THEN NULL
@@ -73,20 +80,30 @@ WITH d AS (
       AND (d.token IS NULL OR tasks.fencing_token = d.token)
       AND (d.node IS NULL OR tasks.node_id = d.node)
     RETURNING tasks.id, tasks.fencing_token, d.from_state, d.to_state, d.reason, d.exit_code, d.end_attempt,
-              d.attempt_state, d.stop, d.actor
+              d.attempt_state, d.stop, d.actor, d.failure_class, d.detail, d.backend_ref, d.release
 ), ended AS (
+    -- an attempt ends once (finished_at); whether that also frees its capacity depends on its backend:
+    -- a process group is gone with its end, a container only once the node proves it removed
     UPDATE attempts a SET
-        state = t.end_attempt, finished_at = now(), reason = t.reason, released = true,
+        state = t.end_attempt, finished_at = now(), reason = t.reason,
+        failure_class = t.failure_class, failure_detail = t.detail,
+        released = (a.backend_kind <> 'container' OR t.release OR a.release_proof IS NOT NULL),
+        released_at = CASE WHEN a.backend_kind <> 'container' OR t.release OR a.release_proof IS NOT NULL
+                           THEN now() END,
+        release_proof = CASE WHEN a.backend_kind = 'container' AND a.release_proof IS NULL AND t.release
+                             THEN jsonb_build_object('by', 'server', 'reason', t.reason) ELSE a.release_proof END,
         exit_code = CASE WHEN t.exit_code IS NULL THEN a.exit_code ELSE t.exit_code END,
         stop_requested_at = CASE WHEN t.stop THEN now() ELSE a.stop_requested_at END
     FROM t
-    WHERE t.end_attempt IS NOT NULL AND a.fencing_token = t.fencing_token AND NOT a.released
-    RETURNING a.task_id, a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus, a.fencing_token, t.stop
+    WHERE t.end_attempt IS NOT NULL AND a.fencing_token = t.fencing_token AND a.finished_at IS NULL
+    RETURNING a.task_id, a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus, a.fencing_token, t.stop,
+              a.released
 ), unclaimed AS (
-    DELETE FROM gpu_claims g USING ended WHERE g.fencing_token = ended.fencing_token AND ended.gpus > 0
+    DELETE FROM gpu_claims g USING ended WHERE g.fencing_token = ended.fencing_token AND ended.gpus > 0 AND ended.released
 ), moved AS (
     UPDATE attempts a SET
         state = COALESCE(t.attempt_state, a.state),
+        backend_ref = COALESCE(t.backend_ref, a.backend_ref),
         provisioning_at = CASE WHEN t.attempt_state = 'provisioning' THEN now() ELSE a.provisioning_at END,
         started_at = CASE WHEN t.attempt_state = 'running' THEN now() ELSE a.started_at END,
         stop_requested_at = CASE WHEN t.stop THEN now() ELSE a.stop_requested_at END,
@@ -104,12 +121,12 @@ WITH d AS (
         res_slots = n.res_slots - f.slots
     FROM (SELECT node_id, sum(cpu_millis) AS cpu, sum(memory_bytes) AS mem, sum(disk_bytes) AS disk,
                  sum(gpus) AS gpus, count(*) AS slots
-          FROM ended GROUP BY node_id) f
+          FROM ended WHERE ended.released GROUP BY node_id) f
     WHERE n.id = f.node_id
     RETURNING n.id
 ), e AS (
-    INSERT INTO task_events (task_id, from_state, to_state, reason, actor, fencing_token)
-    SELECT t.id, t.from_state, t.to_state, t.reason, t.actor, t.fencing_token FROM t
+    INSERT INTO task_events (task_id, from_state, to_state, reason, actor, fencing_token, failure_class, detail)
+    SELECT t.id, t.from_state, t.to_state, t.reason, t.actor, t.fencing_token, t.failure_class, t.detail FROM t
 ), woke_node AS (
     -- wake the gateway of every node that must send a stop, and the dispatcher once when room was
     -- freed or work was queued; delivered only if the transaction commits
@@ -140,11 +157,13 @@ ORDER BY n.id FOR NO KEY UPDATE
 -- claim_queued --
 -- The dispatch claim. SKIP LOCKED lets several schedulers claim disjoint batches at once. `avoid` is
 -- the nodes earlier attempts were lost on, revoked from or failed on: placement tries others first.
-SELECT t.id, t.spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason,
+-- A container task is claimed only once its image is resolved to a digest (the resolver loop): what
+-- a node is assigned must already name exactly one image.
+SELECT t.id, t.spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
        ARRAY(SELECT DISTINCT a.node_id FROM attempts a
              WHERE a.task_id = t.id AND a.state IN ('revoked', 'lost', 'failed')) AS avoid
 FROM tasks t
-WHERE t.state = 'queued'
+WHERE t.state = 'queued' AND (t.image IS NULL OR t.image_digest IS NOT NULL)
 ORDER BY t.priority DESC, t.created_at, t.id
 LIMIT $1
 FOR UPDATE OF t SKIP LOCKED
@@ -187,12 +206,13 @@ WITH d AS (
     FROM d
     WHERE tasks.id = d.id AND tasks.state = 'queued'
     RETURNING tasks.id, tasks.node_id, tasks.fencing_token, tasks.attempts, tasks.cpu_millis,
-              tasks.memory_bytes, tasks.disk_bytes, tasks.gpus, tasks.accept_deadline, d.gpu_indexes
+              tasks.memory_bytes, tasks.disk_bytes, tasks.gpus, tasks.accept_deadline, d.gpu_indexes,
+              COALESCE(tasks.spec->>'backend', 'process') AS backend_kind
 ), a AS (
     INSERT INTO attempts (task_id, attempt, fencing_token, node_id, state, cpu_millis, memory_bytes,
-                          disk_bytes, gpus, gpu_indexes, accept_deadline)
+                          disk_bytes, gpus, gpu_indexes, accept_deadline, backend_kind)
     SELECT id, attempts, fencing_token, node_id, 'assigned', cpu_millis, memory_bytes, disk_bytes, gpus,
-           COALESCE(string_to_array(NULLIF(gpu_indexes, ''), ',')::int[], '{}'), accept_deadline
+           COALESCE(string_to_array(NULLIF(gpu_indexes, ''), ',')::int[], '{}'), accept_deadline, backend_kind
     FROM t
 ), g AS (
     -- the primary key makes a GPU index impossible to hand out twice: a racing scheduler's whole
@@ -206,9 +226,11 @@ WITH d AS (
 SELECT t.id, t.node_id, t.fencing_token FROM t
 
 -- set_queued_reasons --
-UPDATE tasks SET reason = d.reason, updated_at = now()
+-- (a placement reason has no words beside it: any left from an earlier end go with the old reason)
+UPDATE tasks SET reason = d.reason, reason_detail = NULL, updated_at = now()
 FROM unnest($1::uuid[], $2::text[]) AS d(id, reason)
-WHERE tasks.id = d.id AND tasks.state = 'queued' AND tasks.reason IS DISTINCT FROM d.reason
+WHERE tasks.id = d.id AND tasks.state = 'queued'
+  AND (tasks.reason IS DISTINCT FROM d.reason OR tasks.reason_detail IS NOT NULL)
 
 -- notify_nodes --
 SELECT pg_notify('podium_node', n) FROM unnest($1::text[]) AS n
@@ -219,7 +241,9 @@ SELECT pg_notify('podium_dispatch', '')
 -- take_outbox --
 -- What a gateway owes a set of nodes: Assigns not yet pushed, and stops not yet sent. Marked as sent
 -- in the same statement; a send that then fails is repaired by the node's next Hello. One statement
--- for every node woken since the last take. The attempt rows are locked in (node, task) order, the
+-- for every node woken since the last take. A container task's spec goes out with its image pinned
+-- to the digest it was resolved to (repository@digest, the tag dropped, as `spec.pinned_image`
+-- writes it), so no retag between attempts can change what runs. The attempt rows are locked in (node, task) order, the
 -- order a group commit of node reports takes them in, so the two never deadlock.
 WITH due AS (
     SELECT a.fencing_token FROM attempts a
@@ -232,7 +256,11 @@ WITH due AS (
     FROM due, tasks t
     WHERE a.fencing_token = due.fencing_token AND a.state = 'assigned' AND a.delivered_at IS NULL
       AND t.id = a.task_id AND t.fencing_token = a.fencing_token AND t.state = 'assigned'
-    RETURNING a.node_id, a.task_id, a.attempt, a.fencing_token, a.gpu_indexes, t.spec::text AS spec
+    RETURNING a.node_id, a.task_id, a.attempt, a.fencing_token, a.gpu_indexes,
+              (CASE WHEN t.image_digest IS NULL THEN t.spec
+                    ELSE jsonb_set(t.spec, '{image}', to_jsonb(
+                        regexp_replace(split_part(t.image, '@', 1), ':[^/:]*$', '') || '@' || t.image_digest))
+               END)::text AS spec
 ), stops AS (
     UPDATE attempts a SET stop_sent_at = now()
     FROM due
@@ -382,8 +410,11 @@ WHERE t.state IN ('assigned', 'provisioning', 'running')
 LIMIT $1
 
 -- prune_finished --
+-- (never a task whose sandbox still holds capacity: its attempt is what releases it, once proven gone)
 DELETE FROM tasks WHERE id IN (
-    SELECT id FROM tasks WHERE finished_at < now() - make_interval(secs => $1) LIMIT $2)
+    SELECT id FROM tasks t WHERE t.finished_at < now() - make_interval(secs => $1)
+      AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = t.id AND NOT a.released)
+    LIMIT $2)
 
 -- latest_named_spec --
 SELECT * FROM named_specs WHERE name = $1 ORDER BY revision DESC LIMIT 1
@@ -399,3 +430,128 @@ RETURNING *
 
 -- list_named_specs --
 SELECT DISTINCT ON (name) * FROM named_specs ORDER BY name, revision DESC
+
+-- ---- sandboxes: resolved images and release proofs ------------------------------------------------
+
+-- claim_unresolved --
+-- The resolver loop's claim: queued container tasks whose image has no digest yet and whose next try
+-- is due, in the order dispatch claims. The claim is a short lease (resolve_after moves ahead by $2
+-- seconds), so replicas resolving at once take disjoint tasks and one that dies mid-way leaves its
+-- tasks to the next at the lease's end; no row lock is held across the call to the registry.
+WITH c AS (
+    SELECT id FROM tasks
+    WHERE state = 'queued' AND image IS NOT NULL AND image_digest IS NULL
+      AND (resolve_after IS NULL OR resolve_after <= now())
+    ORDER BY priority DESC, created_at, id
+    LIMIT $1
+    FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE tasks t SET resolve_after = now() + make_interval(secs => $2)
+FROM c WHERE t.id = c.id
+RETURNING t.id, t.image, t.resolve_tries
+
+-- set_resolved --
+-- Pin each task's image to the digest its tag resolved to: every attempt from now on runs exactly
+-- that. Only a task still queued and unresolved is written; the dispatcher is woken once.
+WITH r AS (
+    UPDATE tasks t SET image_digest = d.digest, resolved_at = now(), resolve_after = NULL,
+        reason = $3, reason_detail = NULL, updated_at = now()
+    FROM unnest($1::uuid[], $2::text[]) AS d(id, digest)
+    WHERE t.id = d.id AND t.state = 'queued' AND t.image_digest IS NULL
+    RETURNING t.id
+), n AS (
+    SELECT pg_notify('podium_dispatch', '') FROM r LIMIT 1
+)
+SELECT r.id, (SELECT count(*) FROM n) AS notified FROM r
+
+-- set_unresolved --
+-- The image's registry could not be reached: the task stays queued with the reason and the
+-- registry's (or the network's) words beside it, and is tried again in `backoff` seconds.
+UPDATE tasks t SET reason = $4, reason_detail = d.detail, resolve_tries = t.resolve_tries + 1,
+    resolve_after = now() + make_interval(secs => d.backoff), updated_at = now()
+FROM unnest($1::uuid[], $2::text[], $3::float8[]) AS d(id, detail, backoff)
+WHERE t.id = d.id AND t.state = 'queued' AND t.image_digest IS NULL
+
+-- release_proofs --
+-- Nodes' release proofs, any number in one statement. Each is recorded on the attempt it names —
+-- that task and fencing token, on the node that sent it, a container attempt with no proof yet and,
+-- if the attempt reported one, the same backend reference — and frees the attempt's capacity in
+-- the same statement if its end is already recorded (else its end will). A repeat, a proof that
+-- comes after the node-loss policy released the attempt, another node's attempt or a made-up token
+-- matches no row and changes nothing. The caller locks the tasks, then the nodes, in id order first:
+-- the order every other change takes them in.
+WITH d AS (
+    SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::text[], $5::float8[])
+        AS d(task_id, token, node_id, backend_ref, released_at)
+), proved AS (
+    UPDATE attempts a SET
+        release_proof = jsonb_build_object('by', 'node', 'backend_ref', d.backend_ref,
+                                           'released_at', CASE WHEN d.released_at > 0 THEN to_timestamp(d.released_at) END),
+        released = a.finished_at IS NOT NULL,
+        released_at = CASE WHEN a.finished_at IS NOT NULL THEN now() END
+    FROM d
+    WHERE a.task_id = d.task_id AND a.fencing_token = d.token AND a.node_id = d.node_id
+      AND a.backend_kind = 'container' AND a.release_proof IS NULL AND NOT a.released
+      AND (a.backend_ref IS NULL OR a.backend_ref = d.backend_ref)
+    RETURNING a.task_id, a.fencing_token, a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus, a.released
+), unclaimed AS (
+    DELETE FROM gpu_claims g USING proved p WHERE g.fencing_token = p.fencing_token AND p.gpus > 0 AND p.released
+), freed AS (
+    UPDATE nodes n SET
+        res_cpu_millis = n.res_cpu_millis - f.cpu,
+        res_memory_bytes = n.res_memory_bytes - f.mem,
+        res_disk_bytes = n.res_disk_bytes - f.disk,
+        res_gpus = n.res_gpus - f.gpus,
+        res_slots = n.res_slots - f.slots
+    FROM (SELECT node_id, sum(cpu_millis) AS cpu, sum(memory_bytes) AS mem, sum(disk_bytes) AS disk,
+                 sum(gpus) AS gpus, count(*) AS slots
+          FROM proved WHERE proved.released GROUP BY node_id) f
+    WHERE n.id = f.node_id
+    RETURNING n.id
+), woke AS (
+    SELECT count(pg_notify('podium_dispatch', '')) AS n FROM (SELECT 1 WHERE EXISTS (SELECT 1 FROM freed)) z
+)
+SELECT p.task_id, p.fencing_token, p.released, (SELECT n FROM woke) AS woke FROM proved p
+
+-- release_abandoned --
+-- The node-loss policy gives up on a node (offline, or removed from the fleet): the ended container
+-- attempts still waiting there for a release proof are released now, with a proof saying why. Rows
+-- are locked without waiting (the next sweep takes what another transaction holds), so the watchdog
+-- never waits in a cycle with reports, proofs or placement.
+WITH c AS (
+    SELECT a.fencing_token, CASE WHEN n.revoked_at IS NOT NULL THEN $2 ELSE $3 END AS reason
+    FROM attempts a JOIN nodes n ON n.id = a.node_id
+    WHERE a.finished_at IS NOT NULL AND NOT a.released AND (n.health = 'offline' OR n.revoked_at IS NOT NULL)
+    ORDER BY a.node_id, a.fencing_token
+    LIMIT $1
+    FOR NO KEY UPDATE OF a, n SKIP LOCKED
+), rel AS (
+    UPDATE attempts a SET released = true, released_at = now(),
+        release_proof = jsonb_build_object('by', 'server', 'reason', c.reason)
+    FROM c
+    WHERE a.fencing_token = c.fencing_token AND a.finished_at IS NOT NULL AND NOT a.released
+    RETURNING a.task_id, a.fencing_token, a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus
+), unclaimed AS (
+    DELETE FROM gpu_claims g USING rel WHERE g.fencing_token = rel.fencing_token AND rel.gpus > 0
+), freed AS (
+    UPDATE nodes n SET
+        res_cpu_millis = n.res_cpu_millis - f.cpu,
+        res_memory_bytes = n.res_memory_bytes - f.mem,
+        res_disk_bytes = n.res_disk_bytes - f.disk,
+        res_gpus = n.res_gpus - f.gpus,
+        res_slots = n.res_slots - f.slots
+    FROM (SELECT node_id, sum(cpu_millis) AS cpu, sum(memory_bytes) AS mem, sum(disk_bytes) AS disk,
+                 sum(gpus) AS gpus, count(*) AS slots
+          FROM rel GROUP BY node_id) f
+    WHERE n.id = f.node_id
+    RETURNING n.id
+)
+SELECT rel.task_id, rel.fencing_token, rel.node_id, (SELECT count(*) FROM freed) AS nodes FROM rel
+
+-- nodes_releasing --
+-- Per node, the capacity of ended attempts still waiting for their release proof.
+SELECT node_id, sum(cpu_millis)::bigint AS cpu_millis, sum(memory_bytes)::bigint AS memory_bytes,
+       sum(disk_bytes)::bigint AS disk_bytes, sum(gpus)::int AS gpus, count(*)::int AS slots
+FROM attempts
+WHERE node_id = ANY($1::text[]) AND finished_at IS NOT NULL AND NOT released
+GROUP BY node_id

@@ -8,16 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "event", "log")
+    __slots__ = ("hello", "heartbeat", "event", "log", "released", "inventory")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     LOG_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     event: TaskEvent
     log: LogChunk
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., event: _Optional[_Union[TaskEvent, _Mapping]] = ..., log: _Optional[_Union[LogChunk, _Mapping]] = ...) -> None: ...
+    released: ReleaseProof
+    inventory: Inventory
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., event: _Optional[_Union[TaskEvent, _Mapping]] = ..., log: _Optional[_Union[LogChunk, _Mapping]] = ..., released: _Optional[_Union[ReleaseProof, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ...) -> None: ...
 
 class Resources(_message.Message):
     __slots__ = ("cpu_millis", "memory_bytes", "disk_bytes", "gpus", "slots")
@@ -44,7 +48,7 @@ class RunningTask(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node_id", "name", "credential", "labels", "capacity", "backends", "pool", "arch", "capabilities", "artifacts", "protocol_min", "protocol_max", "tasks", "gpu_indexes", "agent_version", "instance_id")
+    __slots__ = ("node_id", "name", "credential", "labels", "capacity", "backends", "pool", "arch", "capabilities", "artifacts", "protocol_min", "protocol_max", "tasks", "gpu_indexes", "agent_version", "instance_id", "egress_contexts", "enforces_limits")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +72,8 @@ class Hello(_message.Message):
     GPU_INDEXES_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    ENFORCES_LIMITS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     credential: str
@@ -84,7 +90,9 @@ class Hello(_message.Message):
     gpu_indexes: _containers.RepeatedScalarFieldContainer[int]
     agent_version: str
     instance_id: str
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., credential: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., pool: _Optional[str] = ..., arch: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., artifacts: _Optional[_Iterable[str]] = ..., protocol_min: _Optional[int] = ..., protocol_max: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., gpu_indexes: _Optional[_Iterable[int]] = ..., agent_version: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    egress_contexts: _containers.RepeatedScalarFieldContainer[str]
+    enforces_limits: bool
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., credential: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., pool: _Optional[str] = ..., arch: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., artifacts: _Optional[_Iterable[str]] = ..., protocol_min: _Optional[int] = ..., protocol_max: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., gpu_indexes: _Optional[_Iterable[int]] = ..., agent_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., egress_contexts: _Optional[_Iterable[str]] = ..., enforces_limits: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "running")
@@ -95,7 +103,7 @@ class Heartbeat(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
 
 class TaskEvent(_message.Message):
-    __slots__ = ("task_id", "fencing_token", "kind", "exit_code", "message")
+    __slots__ = ("task_id", "fencing_token", "kind", "exit_code", "message", "failure_class", "backend_ref")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[TaskEvent.Kind]
@@ -115,12 +123,16 @@ class TaskEvent(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_REF_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     fencing_token: int
     kind: TaskEvent.Kind
     exit_code: int
     message: str
-    def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., kind: _Optional[_Union[TaskEvent.Kind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    failure_class: str
+    backend_ref: str
+    def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., kind: _Optional[_Union[TaskEvent.Kind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., failure_class: _Optional[str] = ..., backend_ref: _Optional[str] = ...) -> None: ...
 
 class LogChunk(_message.Message):
     __slots__ = ("task_id", "fencing_token", "stream", "seq", "data", "offset")
@@ -137,6 +149,24 @@ class LogChunk(_message.Message):
     data: bytes
     offset: int
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., stream: _Optional[str] = ..., seq: _Optional[int] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ReleaseProof(_message.Message):
+    __slots__ = ("task_id", "fencing_token", "backend_ref", "released_at")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_REF_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_AT_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    fencing_token: int
+    backend_ref: str
+    released_at: float
+    def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., backend_ref: _Optional[str] = ..., released_at: _Optional[float] = ...) -> None: ...
+
+class Inventory(_message.Message):
+    __slots__ = ("artifacts",)
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    artifacts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, artifacts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("welcome", "assign", "cancel", "ack", "drain", "heartbeat_ack", "accepted", "log_ack", "superseded")
