@@ -480,9 +480,10 @@ class Agent:
         gives them away only after this instance's fence deadline, which must then be moot), and leave."""
         log.error("%s (instance %s); this instance %s stops its attempts and exits", note.reason, note.instance_id, self.instance_id)
         for a in self.attempts.values():
-            if a.run is not None and a.run.pid is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(a.run.pid, signal.SIGKILL)
+            if a.handle is not None and a.handle.kind == "process":
+                with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                    os.killpg(int(a.handle.ref), signal.SIGKILL)
+        # the keeper kills every process group and container it fences (containers through the engine)
         self.fence.fence_now("superseded")
         raise Superseded(note.reason or "superseded", note.instance_id or "unknown")
 
