@@ -8,6 +8,7 @@
     ├── Unauthorized        — no valid credential (401)
     ├── Forbidden           — a valid credential that may not do this (403)
     ├── StoreUnavailable    — PostgreSQL cannot be reached; nothing was written
+    │   └── Contention      — a write kept losing to concurrent ones past its retry limit (503, Retry-After)
     ├── Overloaded          — the server sheds submissions until it catches up (429, Retry-After)
     └── EmbeddedDatabaseError — the embedded PostgreSQL would not start
 
@@ -54,6 +55,14 @@ class Forbidden(PodiumError):
 
 class StoreUnavailable(PodiumError):
     """The database cannot be reached; nothing was written."""
+
+
+class Contention(StoreUnavailable):
+    """The database kept refusing this write because of concurrent ones; nothing was written. Retry later."""
+
+    def __init__(self, message: str | None = None, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Overloaded(PodiumError):

@@ -44,3 +44,14 @@ LOOP_LAG_SECONDS = Histogram(
     "How late the server's event loop ran a callback due now: its backlog of ready work.",
     buckets=_FAST,
 )
+SERIALIZATION_RETRIES = Counter(
+    "podium_serialization_retries_total",
+    "Store operations run again after PostgreSQL refused them for contention (serialization failure, "
+    "deadlock, lock timeout), by operation.",
+    ["operation"],
+)
+SERIALIZATION_GIVEUPS = Counter(
+    "podium_serialization_giveups_total",
+    "Store operations that failed with Contention: refused for contention more than `serialization_retry_limit` times.",
+    ["operation"],
+)

@@ -29,7 +29,7 @@ from podium.api.models import (
     AuditOut, BatchIn, ErrorOut, EventOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeEventOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
 )  # fmt: skip
-from podium.errors import Ambiguous, Conflict, Forbidden, InvalidRequest, NotFound, Overloaded, StoreUnavailable, Unauthorized
+from podium.errors import Ambiguous, Conflict, Contention, Forbidden, InvalidRequest, NotFound, Overloaded, StoreUnavailable, Unauthorized
 from podium.pressure import Pressure
 from podium.security.service import REGISTRY_PREFIX, Principal, Security, validate_registry_host
 from podium.security.tokens import Role
@@ -222,6 +222,15 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
     @app.exception_handler(StoreUnavailable)
     async def _su(_r: Request, exc: StoreUnavailable) -> JSONResponse:
         return JSONResponse({"error": f"{exc}; retry (with the same idempotency key for a submit)"}, status_code=503)
+
+    @app.exception_handler(Contention)
+    async def _contention(_r: Request, exc: Contention) -> JSONResponse:
+        # Contention passes: a 503 with Retry-After, never a 404 or a 500.
+        return JSONResponse(
+            {"error": f"{exc}; retry (with the same idempotency key for a submit)"},
+            status_code=503,
+            headers={"Retry-After": str(exc.retry_after)},
+        )
 
     @app.exception_handler(Overloaded)
     async def _overloaded(_r: Request, exc: Overloaded) -> JSONResponse:

@@ -98,6 +98,9 @@ def server(
     retention: Annotated[str, typer.Option(help="how long finished tasks, their events and logs are kept")] = "7d",
     max_lag: Annotated[str, typer.Option(
         help="refuse submissions (429) while the server's event loop is this far behind; 0 never refuses")] = "250ms",
+    serialization_retry_limit: Annotated[int, typer.Option(
+        envvar="PODIUM_SERIALIZATION_RETRY_LIMIT", min=0, max=1000,
+        help="how often a write PostgreSQL refused for contention is retried before it fails (503)")] = 5,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a server. With PODIUM_DATABASE_URL it uses that PostgreSQL; without, an embedded one."""
@@ -121,7 +124,7 @@ def server(
         database_url=os.environ.get("PODIUM_DATABASE_URL") or None,
         host=host, port=port, grpc_host=grpc_host, grpc_port=grpc_port, placement_policy=placement,
         tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca, retention=_parse(parse_duration, retention, "--retention"),
-        max_lag=_parse(parse_duration, max_lag, "--max-lag"),
+        max_lag=_parse(parse_duration, max_lag, "--max-lag"), serialization_retry_limit=serialization_retry_limit,
     )  # fmt: skip
 
     async def main() -> None:
