@@ -37,6 +37,7 @@ from podium.scheduler.service import Scheduler
 from podium.spec import SubmitRequest, TaskSpec, validate_name
 from podium.states import TERMINAL, TaskState
 from podium.store import Store
+from podium.units import parse_duration
 
 FOLLOW_POLL = 0.1  # seconds between reads while following logs
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -449,11 +450,24 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         return [NodeEventOut(**dict(r)) for r in await store.node_events(row["id"], after, limit)]
 
     @app.post("/v1/nodes/{node}/drain", response_model=NodeOut, responses=_ERRORS)
-    async def drain(node: str, who: Operator) -> NodeOut:
-        """Take no new work on this node; what it runs finishes."""
+    async def drain(
+        node: str,
+        who: Operator,
+        deadline: Annotated[str | None, Query(description="e.g. 10m: past it, what still runs there is requeued or lost by its node-loss policy")] = None,
+    ) -> NodeOut:
+        """Take no new work on this node; what it runs finishes (or, past `deadline`, goes through
+        its node-loss policy). `drain_phase` says when it is drained: nothing left, safe to power off."""
+        seconds = None
+        if deadline is not None:
+            try:
+                seconds = parse_duration(deadline)
+            except ValueError as e:
+                raise InvalidRequest(f"deadline: {e}") from None
+            if seconds < 0:
+                raise InvalidRequest("deadline: must not be negative (e.g. 10m)")
         row = await store.get_node(node)
-        await store.set_draining(row["id"], True)
-        await audit(who, "node.drain", row["id"])
+        await store.set_draining(row["id"], True, seconds)
+        await audit(who, "node.drain", row["id"], deadline=seconds)
         return node_out(await store.get_node(row["id"]))
 
     @app.put("/v1/nodes/{node}/labels", response_model=NodeOut, responses=_ERRORS)

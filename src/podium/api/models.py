@@ -122,6 +122,10 @@ class NodeOut(BaseModel):
     health: str
     connected: bool
     draining: bool
+    # active (takes work), draining (no new work; some still on it) or drained (nothing on it: safe to power off)
+    drain_phase: str = "active"
+    # past it, what still runs on the draining node is requeued or lost by its node-loss policy
+    drain_deadline: datetime | None = None
     pool: str
     arch: str
     labels: dict[str, str]
@@ -285,6 +289,8 @@ def node_out(r: Any) -> NodeOut:
         last_heartbeat_at=r["last_heartbeat_at"], agent_version=r["agent_version"], artifacts=list(r["artifacts"]),
         protocol_min=r["protocol_min"], protocol_max=r["protocol_max"], gpu_indexes=list(r["gpu_indexes"]),
         instance_id=r.get("instance_id"),
+        drain_phase=r.get("drain_phase") or ("draining" if r["draining"] else "active"),
+        drain_deadline=r.get("drain_deadline"),
     )  # fmt: skip
 
 

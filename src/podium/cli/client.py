@@ -265,8 +265,9 @@ class Client:
     def node_events(self, node: str, after: int = 0) -> list[dict[str, Any]]:
         return self._request("GET", f"/v1/nodes/{node}/events", params={"after": after})
 
-    def drain(self, node: str, draining: bool) -> dict[str, Any]:
-        return self._request("POST", f"/v1/nodes/{_q(node)}/{'drain' if draining else 'undrain'}")
+    def drain(self, node: str, draining: bool, deadline: str | None = None) -> dict[str, Any]:
+        params = {"deadline": deadline} if draining and deadline is not None else None
+        return self._request("POST", f"/v1/nodes/{_q(node)}/{'drain' if draining else 'undrain'}", params=params)
 
 
 def _retry_after(r: httpx.Response) -> float:

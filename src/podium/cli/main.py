@@ -716,12 +716,13 @@ def nodes(
         _more(listing, json_out)
         return
     t = _Table(box=None)
-    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAINING", "CPU", "MEMORY", "SLOTS", "LABELS"):
+    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAIN", "CPU", "MEMORY", "SLOTS", "LABELS"):
         t.add_column(col)
     for n in rows:
         a, r = n["allocatable"], n["reserved"]
         # health beside connected: a connected node is not a healthy one (a frozen agent's stream stays open)
-        t.add_row(n["id"], n["name"], _health(n["health"]), "yes" if n["connected"] else "no", "yes" if n["draining"] else "",
+        t.add_row(n["id"], n["name"], _health(n["health"]), "yes" if n["connected"] else "no",
+                  "" if n.get("drain_phase", "active") == "active" else n.get("drain_phase", "draining"),
                   f"{format_cpu(r['cpu_millis'])}/{format_cpu(a['cpu_millis'])}",
                   f"{format_size(r['memory_bytes'])}/{format_size(a['memory_bytes'])}", f"{r['slots']}/{a['slots']}",
                   ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())))  # fmt: skip
@@ -749,10 +750,28 @@ def node_history(node: str, server: ServerOpt = None, json_out: JsonOpt = False)
 
 
 @app.command()
-def drain(node: str, server: ServerOpt = None) -> None:
-    """Stop placing new work on a node; what it runs finishes."""
-    n = Client(server).drain(node, True)
-    out.print(f"node {n['name']} ({n['id']}) is draining", markup=False)
+def drain(
+    node: str,
+    deadline: Annotated[str | None, typer.Option(
+        help="e.g. 10m: past it, what still runs there is requeued or lost by each task's node-loss policy")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="return only when the node is drained (nothing left on it)")] = False,
+    server: ServerOpt = None,
+) -> None:
+    """Stop placing new work on a node; what it runs finishes (or, past --deadline, is requeued or lost)."""
+    if deadline is not None:
+        _parse(parse_duration, deadline, "--deadline")
+    client = Client(server)
+    n = client.drain(node, True, deadline)
+    out.print(f"node {n['name']} ({n['id']}) is {n.get('drain_phase', 'draining')}", markup=False)
+    if not wait:
+        return
+    # Polled, not followed: a GET per second is nothing to the server, and survives a reconnect.
+    while n.get("drain_phase") != "drained":
+        if n.get("drain_phase") == "active":
+            raise CliError(f"node {n['name']} was undrained while waiting for it to drain")
+        time.sleep(1.0)
+        n = client.node(n["id"])
+    out.print(f"node {n['name']} ({n['id']}) is drained: nothing runs there, safe to power off", markup=False)
 
 
 @app.command()

@@ -298,6 +298,18 @@ class Scheduler:
                 )  # fmt: skip
         await self.store.handover_done()
 
+        # A drain's deadline passed: what still runs on the node goes through the node-loss policy
+        # (requeued if the spec allows it and attempts remain, else lost; docs/decisions.md), each a
+        # compare-and-set from the state and attempt just read.
+        for row in await self.store.drain_overdue(SWEEP_LIMIT):
+            f = facts(row)
+            done = await self.apply(row["id"], f.state, policy.on_node_loss(f, reasons.DRAIN_DEADLINE), fencing_token=row["fencing_token"])
+            if done is not None:
+                await self.store.node_event(
+                    row["node_id"], "drain", f"task {row['id']} (attempt token {row['fencing_token']}): {reasons.DRAIN_DEADLINE}",
+                    {"task": str(row["id"]), "fencing_token": row["fencing_token"]},
+                )  # fmt: skip
+
         for row in await self.store.overdue_accepts(SWEEP_LIMIT):
             f = facts(row)
             await self.apply(row["id"], f.state, policy.on_accept_overdue(f), fencing_token=row["fencing_token"])

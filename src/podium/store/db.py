@@ -821,11 +821,17 @@ class Store:
             return await conn.fetch(self.q["placement_nodes"])
 
     @_retried
-    async def set_draining(self, node_id: str, draining: bool) -> None:
+    async def set_draining(self, node_id: str, draining: bool, deadline: float | None = None) -> None:
+        """Drain (or undrain) a node; `deadline` seconds from now, what still runs there goes
+        through the node-loss policy (the watchdog's `drain_overdue`)."""
         async with self._conn() as conn:
-            row = await conn.fetchrow(self.q["set_draining"], node_id, draining)
+            row = await conn.fetchrow(self.q["set_draining"], node_id, draining, deadline)
         if row is None:
             raise NotFound(f"no node {node_id!r}")
+
+    async def drain_overdue(self, limit: int) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["drain_overdue"], limit)
 
     # ---- security -------------------------------------------------------------------------------
 
