@@ -48,6 +48,9 @@ INSTANCE_REPLACED = "the agent process running this task was replaced by another
 # `podium drain NODE --deadline`: the node is being taken out of service and the task was still on it
 DRAIN_DEADLINE = "the node's drain deadline passed while this task was still on it"
 
+# --- a dry run's answer (`podium submit --check`, POST /v1/tasks/check): the seed's ErrNoCompatibleRunner
+NO_COMPATIBLE_RUNNER = "no compatible runner: no node of the fleet could ever run this task"
+
 # --- told to an agent process ------------------------------------------------------------------------
 SUPERSEDED = "another agent process now presents this node's identity"
 

@@ -22,11 +22,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from podium import __version__
+from podium import __version__, reasons
 from podium.api.guard import RequestGuard
 from podium.api.ui import install as install_ui
 from podium.api.models import (
-    AuditOut, BatchIn, ErrorOut, EventOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeEventOut, NodeOut, SubmitNamedIn, SubmitResponse,
+    AuditOut, BatchIn, CheckOut, ErrorOut, EventOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeEventOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
 )  # fmt: skip
 from podium.errors import Ambiguous, Conflict, Contention, Forbidden, InvalidRequest, NotFound, Overloaded, StoreUnavailable, Unauthorized
@@ -268,6 +268,20 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         row, created = await store.submit(body.task_spec(), idempotency_key=body.idempotency_key, actor=who.actor)
         resp = SubmitResponse(task=task_out(row), created=created)
         return JSONResponse(json.loads(resp.model_dump_json()), status_code=201 if created else 200)
+
+    @app.post("/v1/tasks/check", response_model=CheckOut, responses=_ERRORS)
+    async def check(body: SubmitRequest, _who: Viewer) -> CheckOut:
+        """Dry run: could any node of the fleet ever run this spec, and why not each node (hard
+        compatibility only, ignoring what is free, connected or draining now). Stores nothing."""
+        spec = body.task_spec()
+        r = spec.resources
+        verdicts = await scheduler.check(json.loads(spec.model_dump_json()), r.cpu, r.memory, r.disk, r.gpus)
+        runnable = any(v.failed is None for v, _row in verdicts)
+        return CheckOut(
+            runnable=runnable, reason=None if runnable else reasons.NO_COMPATIBLE_RUNNER,
+            nodes=[VerdictOut(node_id=v.node_id, name=row["name"], fits=v.failed is None, failed=v.failed, score=None,
+                              avoided=False, health=row["health"]) for v, row in verdicts],
+        )  # fmt: skip
 
     @app.post("/v1/tasks/batch", response_model=list[SubmitResponse], responses=_SUBMIT_BATCH)
     async def submit_batch(body: BatchIn, who: Operator) -> list[SubmitResponse]:

@@ -170,6 +170,16 @@ class ExplainOut(BaseModel):
     nodes: list[VerdictOut]
 
 
+class CheckOut(BaseModel):
+    """A dry run's answer: could any node of the fleet ever run this spec (nothing is stored)."""
+
+    runnable: bool
+    reason: str | None  # reasons.NO_COMPATIBLE_RUNNER when no node ever could
+    # every node, judged as if online, undrained and empty: `failed` is the first hard check it
+    # fails; `health` is what it is now
+    nodes: list[VerdictOut]
+
+
 class LabelsIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -147,6 +147,9 @@ class Client:
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._request("POST", "/v1/tasks", json=body)
 
+    def check(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._request("POST", "/v1/tasks/check", json=body)
+
     def tasks(self, limit: int | None = 100, **params: Any) -> Listing:
         return self.listing("/v1/tasks", limit, **params)
 

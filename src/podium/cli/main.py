@@ -56,6 +56,9 @@ EXIT_OTHER = 1
 EXIT_REFUSED = 3  # the server refuses this node's identity
 EXIT_SUPERSEDED = 4  # another agent process took this node's identity over
 EXIT_BUSY = 5  # another process holds the state (or data) directory
+# How `podium submit --check` exits when no node of the fleet could ever run the spec (the seed's
+# ErrNoCompatibleRunner): distinct from 1 (the check itself failed) so a script can tell the two apart.
+EXIT_NO_RUNNER = 6
 
 
 class _Table(Table):
@@ -555,16 +558,35 @@ def _attach(client: Client, tid: str) -> int:
 @app.command()
 def submit(
     file: Annotated[str, typer.Argument(help="a YAML or JSON spec file, or - for standard input")],
+    check: Annotated[bool, typer.Option("--check", help=(
+        "store nothing: say whether any node of the fleet could ever run this spec, and why not each node; "
+        f"exits {EXIT_NO_RUNNER} when none could"))] = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Submit a task from a spec file; prints its id."""
     body = _read_spec(file)
+    if check:
+        _check(Client(server).check(_validate(body)), json_out)
+        return
     resp = Client(server).submit(_validate(body))
     if json_out:
         print(json.dumps(resp, indent=2))
     else:
         print(resp["task"]["id"])
+
+
+def _check(resp: dict[str, Any], json_out: bool) -> None:
+    if json_out:
+        print(json.dumps(resp, indent=2))
+    else:
+        # one line per node, never truncated: the explanation is the point
+        for n in resp["nodes"]:
+            verdict = "could run it" if n["fits"] else f"could never run it: {n['failed']}"
+            out.print(f"{n['node_id']} ({n['name']}, {n['health']} now): {verdict}", markup=False, soft_wrap=True, highlight=False)
+        out.print("some node of the fleet can run this spec" if resp["runnable"] else resp["reason"], markup=False)
+    if not resp["runnable"]:
+        raise typer.Exit(EXIT_NO_RUNNER)
 
 
 @app.command("ls")

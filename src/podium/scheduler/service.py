@@ -13,6 +13,7 @@ compare-and-set in the store with the `from` just read, and every time is the da
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -341,6 +342,22 @@ class Scheduler:
                 snaps.append(NodeSnapshot(id=nid, name=row["name"], connected=False, health=row["health"]))
         verdicts = explain(req, snaps, policy=self.policy_name)
         return task, [(v, everyone.get(v.node_id)) for v in verdicts], req.avoid_nodes
+
+    async def check(self, spec: dict[str, Any], cpu: int, memory: int, disk: int, gpus: int) -> list[tuple[NodeVerdict, asyncpg.Record]]:
+        """Could any node of the fleet ever run this spec? Hard compatibility only (pool, arch,
+        backend, protocol, labels, capabilities, too large): every node that is not removed is
+        judged as if it were online, undrained and empty, since connections, health, drains and
+        what is free now all change. Reads only; stores nothing."""
+        rows = {r["id"]: r for r in await self.store.list_nodes() if r["revoked_at"] is None}
+        req = requirements(spec, cpu, memory, disk, gpus)
+        empty = Resources(0, 0, 0, 0, 0)
+        snaps = [
+            dataclasses.replace(
+                node_snapshot({**dict(r), "gpus_in_use": []}), connected=True, health="online", draining=False, reserved=empty
+            )
+            for r in rows.values()
+        ]
+        return [(v, rows[v.node_id]) for v in explain(req, snaps, policy=self.policy_name)]
 
     async def node_removed(self, node_id: str) -> None:
         """A node was removed from the fleet: its tasks go through the node-loss policy now, not
