@@ -3,7 +3,8 @@
     PodiumError
     ├── NotFound            — no such task / node
     ├── Conflict            — the request disagrees with what is stored (idempotency key reused, …)
-    │   └── Ambiguous       — an id prefix that more than one thing starts with (409, with the candidates)
+    │   ├── Ambiguous       — an id prefix that more than one thing starts with (409, with the candidates)
+    │   └── PreconditionFailed — a write conditional on a revision (If-Match) that is no longer current (412)
     ├── InvalidRequest      — the input is wrong; the message says how to fix it
     ├── Unauthorized        — no valid credential (401)
     ├── Forbidden           — a valid credential that may not do this (403)
@@ -39,6 +40,10 @@ class Ambiguous(Conflict):
     def __init__(self, message: str | None = None, *, candidates: list[str] | None = None) -> None:
         super().__init__(message)
         self.candidates = candidates or []
+
+
+class PreconditionFailed(Conflict):
+    """The thing changed since the revision this request names; read it again and decide again."""
 
 
 class InvalidRequest(PodiumError):

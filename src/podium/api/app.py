@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 from urllib.parse import urlencode
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -29,7 +29,7 @@ from podium.api.models import (
     AuditOut, BatchIn, CheckOut, ErrorOut, EventOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeEventOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
 )  # fmt: skip
-from podium.errors import Ambiguous, Conflict, Contention, Forbidden, InvalidRequest, NotFound, Overloaded, StoreUnavailable, Unauthorized
+from podium.errors import Ambiguous, Conflict, Contention, Forbidden, InvalidRequest, NotFound, Overloaded, PreconditionFailed, StoreUnavailable, Unauthorized
 from podium.pressure import Pressure
 from podium.security.service import REGISTRY_PREFIX, Principal, Security, validate_registry_host
 from podium.security.tokens import Role
@@ -159,7 +159,9 @@ _UUID_PREFIX = re.compile(r"^[0-9a-fA-F][0-9a-fA-F-]{0,35}$")
 
 
 # Podium's errors and the HTTP status each one is; the message is the exception's own sentence.
-_STATUS: dict[type[Exception], int] = {InvalidRequest: 422, NotFound: 404, Conflict: 409, Unauthorized: 401, Forbidden: 403}
+_STATUS: dict[type[Exception], int] = {
+    InvalidRequest: 422, NotFound: 404, Conflict: 409, Unauthorized: 401, Forbidden: 403, PreconditionFailed: 412,
+}
 
 _bearer = HTTPBearer(auto_error=False, description="an operator token: pdm_<id>.<secret>")
 
@@ -177,6 +179,16 @@ def _needs(role: Role) -> Any:
 Viewer = Annotated[Principal, _needs(Role.VIEWER)]
 Operator = Annotated[Principal, _needs(Role.OPERATOR)]
 Admin = Annotated[Principal, _needs(Role.ADMIN)]
+
+
+def _revision_of(if_match: str | None) -> int | None:
+    """An If-Match header's revision: `3`, `"3"` or `W/"3"`; `*` (or none) means any."""
+    if if_match is None or if_match.strip() == "*":
+        return None
+    value = if_match.strip().removeprefix("W/").strip('"')
+    if not value.isdigit() or len(value) > 18:
+        raise InvalidRequest(f"If-Match: {if_match[:40]!r} is not a revision; send the task's revision (its ETag), e.g. If-Match: \"3\"")
+    return int(value)
 
 
 def create_app(store: Store, scheduler: Scheduler, security: Security, pressure: Pressure | None = None) -> FastAPI:
@@ -322,20 +334,28 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         return [task_out(r, last.get(r["id"])) for r in rows]
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskDetail, responses=_ERRORS)
-    async def get_task(task_id: str, _who: Viewer) -> TaskDetail:
+    async def get_task(task_id: str, _who: Viewer, response: Response) -> TaskDetail:
         task, attempts, events = await store.task_detail(await task_ref(task_id))
         last = (await store.last_attempt_nodes([task["id"]])).get(task["id"])
+        response.headers["ETag"] = f'"{task["revision"]}"'
         return TaskDetail(
             **task_out(task, last).model_dump(), attempt_list=[attempt_out(a) for a in attempts], events=[event_out(e) for e in events]
         )
 
     @app.post("/v1/tasks/{task_id}/cancel", response_model=TaskOut, responses=_ERRORS)
-    async def cancel(task_id: str, who: Operator) -> TaskOut:
+    async def cancel(
+        task_id: str,
+        who: Operator,
+        response: Response,
+        if_match: Annotated[str | None, Header(description="the task's revision (its ETag): refuse (412) if it changed since")] = None,
+    ) -> TaskOut:
         """Cancel a task: a queued one ends at once, one on a node is stopped there (SIGTERM, then
-        SIGKILL after the grace); a task already ended is returned unchanged."""
+        SIGKILL after the grace); a task already ended is returned unchanged. With `If-Match`, only
+        if the task is still at that revision."""
         tid = await task_ref(task_id)
-        row = await scheduler.cancel(tid, actor=who.actor)
+        row = await scheduler.cancel(tid, actor=who.actor, if_revision=_revision_of(if_match))
         await audit(who, "task.cancel", str(tid), state=row["state"])
+        response.headers["ETag"] = f'"{row["revision"]}"'
         return task_out(row)
 
     @app.get("/v1/tasks/{task_id}/logs", response_model=LogsOut, responses=_ERRORS)

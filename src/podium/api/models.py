@@ -59,6 +59,9 @@ class TaskOut(BaseModel):
     spec_name: str | None
     spec_revision: int | None
     spec: dict[str, Any]
+    # The assignment revision: bumped by every change of state, node or attempt (also the ETag);
+    # `If-Match: <revision>` on cancel refuses to act on a task that changed since (412).
+    revision: int = 1
     # Where the latest attempt ran or runs, also once the task has ended (node_id is then None: the
     # task holds no node). Filled by the task listing and the task detail; None if never placed.
     last_node_id: str | None = None
@@ -276,6 +279,7 @@ def task_out(r: Any, last_node: tuple[str, str | None] | None = None) -> TaskOut
         finished_at=r["finished_at"], lease_expires_at=r["lease_expires_at"], accept_deadline=r["accept_deadline"],
         idempotency_key=r["idempotency_key"], spec_name=r["spec_name"], spec_revision=r["spec_revision"], spec=r["spec"],
         last_node_id=last_node[0] if last_node else None, last_node_name=last_node[1] if last_node else None,
+        revision=r.get("revision", 1),
     )  # fmt: skip
 
 

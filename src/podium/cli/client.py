@@ -156,8 +156,9 @@ class Client:
     def task(self, task_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/tasks/{_q(task_id)}")
 
-    def cancel(self, task_id: str) -> dict[str, Any]:
-        return self._request("POST", f"/v1/tasks/{_q(task_id)}/cancel")
+    def cancel(self, task_id: str, if_revision: int | None = None) -> dict[str, Any]:
+        headers = {"If-Match": f'"{if_revision}"'} if if_revision is not None else None
+        return self._request("POST", f"/v1/tasks/{_q(task_id)}/cancel", headers=headers)
 
     def logs(self, task_id: str, after: int = 0) -> dict[str, Any]:
         return self._request("GET", f"/v1/tasks/{_q(task_id)}/logs", params={"after": after})

@@ -714,9 +714,15 @@ def logs(
 
 
 @app.command()
-def cancel(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+def cancel(
+    task_id: str,
+    if_revision: Annotated[int | None, typer.Option(
+        "--if-revision", min=1, help="only if the task is still at this revision (`podium show --json`): refused if it changed")] = None,
+    server: ServerOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
     """Cancel a task (a running one gets SIGTERM, then SIGKILL after the grace)."""
-    r = Client(server).cancel(task_id)
+    r = Client(server).cancel(task_id, if_revision)
     if json_out:
         print(json.dumps(r, indent=2))
     else:

@@ -22,7 +22,7 @@ from typing import Any
 import asyncpg
 
 from podium import metrics, reasons
-from podium.errors import NotFound, StoreUnavailable
+from podium.errors import NotFound, PreconditionFailed, StoreUnavailable
 from podium.placement import NodeSnapshot, NodeVerdict, Placer, Requirements, Resources, Unplaceable, explain
 from podium.scheduler import policy
 from podium.scheduler.policy import Step, TaskFacts
@@ -245,6 +245,7 @@ class Scheduler:
         actor: str | None = None,
         fencing_token: int | None = None,
         node_id: str | None = None,
+        revision: int | None = None,
     ) -> Transition | None:
         if step is None:
             return None
@@ -261,6 +262,7 @@ class Scheduler:
             end_attempt=step.end_attempt,
             attempt_state=step.attempt_state,
             stop=step.stop,
+            revision=revision,
         )
         if result is not None:
             log.debug("task %s: %s → %s (%s)", task_id, from_, step.to, step.reason or "-")
@@ -367,15 +369,22 @@ class Scheduler:
             f = facts(row)
             await self.apply(r["id"], f.state, policy.on_node_loss(f, reasons.NODE_REVOKED), fencing_token=r["fencing_token"])
 
-    async def cancel(self, task_id: uuid.UUID, actor: str) -> asyncpg.Record:
+    async def cancel(self, task_id: uuid.UUID, actor: str, if_revision: int | None = None) -> asyncpg.Record:
         """Cancel a task: a queued one ends at once; one on a node is told to stop. Retries the
-        compare-and-set when the task moved underneath (e.g. it was placed in between)."""
+        compare-and-set when the task moved underneath (e.g. it was placed in between). With
+        `if_revision`, only while the task is still at that assignment revision (checked in the
+        compare-and-set itself): otherwise PreconditionFailed, naming both revisions."""
         for _ in range(10):
             row = await self.store.get_task(task_id)
+            if if_revision is not None and row["revision"] != if_revision:
+                raise PreconditionFailed(
+                    f"task {task_id} is at revision {row['revision']}, not revision {if_revision} as this request "
+                    f"expects (it is {row['state']} now); read it again (`podium show {task_id}`) and decide again"
+                )
             f = facts(row)
             step = policy.on_cancel(f)
             if step is None:
                 return row  # already ended or already being cancelled: nothing to do
-            if await self.apply(task_id, f.state, step, actor=actor, fencing_token=row["fencing_token"]):
+            if await self.apply(task_id, f.state, step, actor=actor, fencing_token=row["fencing_token"], revision=if_revision):
                 return await self.store.get_task(task_id)
         raise NotFound(f"task {task_id} kept changing state; try again")

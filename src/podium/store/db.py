@@ -131,6 +131,7 @@ class Change:
     end_attempt: AttemptState | str | None = None
     attempt_state: AttemptState | str | None = None
     stop: bool = False
+    revision: int | None = None  # the assignment revision the caller read; another one refuses the change
 
     def row(self) -> tuple[Any, ...]:
         if not is_allowed(TaskState(self.from_), TaskState(self.to)):
@@ -138,7 +139,7 @@ class Change:
         return (
             self.task_id, str(self.from_), str(self.to), self.reason, self.fencing_token, self.node_id,
             self.exit_code, self.lease_seconds, None if self.end_attempt is None else str(self.end_attempt),
-            None if self.attempt_state is None else str(self.attempt_state), self.stop, self.actor,
+            None if self.attempt_state is None else str(self.attempt_state), self.stop, self.actor, self.revision,
         )  # fmt: skip
 
 
@@ -384,6 +385,7 @@ class Store:
         end_attempt: AttemptState | str | None = None,
         attempt_state: AttemptState | str | None = None,
         stop: bool = False,
+        revision: int | None = None,
         conn: asyncpg.Connection | None = None,
     ) -> Transition | None:
         """Move a task from `from_` to `to`, or do nothing and return None.
@@ -392,12 +394,13 @@ class Store:
         node's task is rejected like a wrong `from`. `end_attempt` closes the current attempt with that
         state and frees its capacity; `attempt_state` moves it forward instead. `lease_seconds` sets the
         lease from the database clock (negative: no lease of its own, held by node health). `stop`
-        asks the node to stop the attempt.
+        asks the node to stop the attempt. `revision` (If-Match) refuses the change unless the task is
+        still at that assignment revision; every accepted change bumps it.
         """
         change = Change(
             task_id, from_, to, actor=actor, reason=reason, fencing_token=fencing_token, node_id=node_id,
             exit_code=exit_code, lease_seconds=lease_seconds, end_attempt=end_attempt,
-            attempt_state=attempt_state, stop=stop,
+            attempt_state=attempt_state, stop=stop, revision=revision,
         )  # fmt: skip
         cols = _columns([change])
         if conn is not None:

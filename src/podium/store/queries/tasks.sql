@@ -42,13 +42,17 @@ SELECT * FROM tasks WHERE idempotency_key = $1
 -- the actor. A row that matches nothing was rejected and changed nothing. `end_attempt` ends the
 -- current attempt with that attempt state, freeing its capacity exactly once; `attempt_state` moves
 -- it forward instead (provisioning, running); `stop` asks the node to stop it. At most one row per task.
+-- `revision`, when given, is the assignment revision the caller read (If-Match): another one refuses
+-- the row too. Every accepted row bumps the task's revision.
 WITH d AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::int[],
-                         $8::float8[], $9::text[], $10::text[], $11::bool[], $12::text[])
-        AS d(id, from_state, to_state, reason, token, node, exit_code, lease, end_attempt, attempt_state, stop, actor)
+                         $8::float8[], $9::text[], $10::text[], $11::bool[], $12::text[], $13::bigint[])
+        AS d(id, from_state, to_state, reason, token, node, exit_code, lease, end_attempt, attempt_state, stop, actor,
+             revision)
 ), t AS (
     UPDATE tasks SET
         state = d.to_state,
+        revision = tasks.revision + 1,
         reason = d.reason,
         exit_code = CASE WHEN d.exit_code IS NULL THEN tasks.exit_code ELSE d.exit_code END,
         lease_expires_at = CASE
@@ -72,6 +76,7 @@ WITH d AS (
     WHERE tasks.id = d.id AND tasks.state = d.from_state
       AND (d.token IS NULL OR tasks.fencing_token = d.token)
       AND (d.node IS NULL OR tasks.node_id = d.node)
+      AND (d.revision IS NULL OR tasks.revision = d.revision)
     RETURNING tasks.id, tasks.fencing_token, d.from_state, d.to_state, d.reason, d.exit_code, d.end_attempt,
               d.attempt_state, d.stop, d.actor
 ), ended AS (
@@ -176,7 +181,7 @@ WITH d AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[]) AS d(id, node_id, gpu_indexes)
 ), t AS (
     UPDATE tasks SET
-        state = 'assigned', reason = NULL, node_id = d.node_id,
+        state = 'assigned', reason = NULL, node_id = d.node_id, revision = tasks.revision + 1,
         fencing_token = nextval('fencing_tokens'), attempts = tasks.attempts + 1,
         -- clock_timestamp(), not now(): a transaction that was slow between its claim and this write
         -- must not hand out an assignment with its accept window already spent
