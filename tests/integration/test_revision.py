@@ -77,3 +77,19 @@ async def test_cancel_with_a_stale_revision_is_refused_and_a_current_one_accepte
     ok = await client.post(f"/v1/tasks/{tid}/cancel", headers={"If-Match": current.headers["ETag"]})
     assert ok.status_code == 200, ok.text
     assert ok.json()["state"] == "cancelling" and ok.json()["revision"] == 3 and ok.headers["ETag"] == '"3"'
+
+
+async def test_label_change_with_a_stale_node_revision_is_refused(env: tuple[Store, httpx.AsyncClient]) -> None:
+    store, client = env
+    await add_node(store, "n1", labels={"zone": "a"})
+    read = await client.get("/v1/nodes/n1")
+    assert read.status_code == 200 and read.headers["ETag"] == f'"{read.json()["revision"]}"'
+    first = await client.put("/v1/nodes/n1/labels", json={"labels": {"zone": "b"}}, headers={"If-Match": read.headers["ETag"]})
+    assert first.status_code == 200, first.text
+    assert first.json()["revision"] == read.json()["revision"] + 1
+    # a second operator who read the node before the first change
+    stale = await client.put("/v1/nodes/n1/labels", json={"labels": {"zone": "c"}}, headers={"If-Match": read.headers["ETag"]})
+    assert stale.status_code == 412, stale.text
+    assert f"revision {first.json()['revision']}" in stale.json()["error"]
+    assert f"revision {read.json()['revision']}" in stale.json()["error"]
+    assert (await client.get("/v1/nodes/n1")).json()["labels"] == {"zone": "b"}

@@ -187,7 +187,7 @@ def _revision_of(if_match: str | None) -> int | None:
         return None
     value = if_match.strip().removeprefix("W/").strip('"')
     if not value.isdigit() or len(value) > 18:
-        raise InvalidRequest(f"If-Match: {if_match[:40]!r} is not a revision; send the task's revision (its ETag), e.g. If-Match: \"3\"")
+        raise InvalidRequest(f"If-Match: {if_match[:40]!r} is not a revision; send the revision (the ETag), e.g. If-Match: \"3\"")
     return int(value)
 
 
@@ -471,8 +471,10 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         return [node_out(r) for r in rows]
 
     @app.get("/v1/nodes/{node}", response_model=NodeOut, responses=_ERRORS)
-    async def get_node(node: str, _who: Viewer) -> NodeOut:
-        return node_out(await store.get_node(node))
+    async def get_node(node: str, _who: Viewer, response: Response) -> NodeOut:
+        row = await store.get_node(node)
+        response.headers["ETag"] = f'"{row["revision"]}"'
+        return node_out(row)
 
     @app.get("/v1/nodes/{node}/events", response_model=list[NodeEventOut], responses=_ERRORS)
     async def node_events(
@@ -505,12 +507,21 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         return node_out(await store.get_node(row["id"]))
 
     @app.put("/v1/nodes/{node}/labels", response_model=NodeOut, responses=_ERRORS)
-    async def set_labels(node: str, body: LabelsIn, who: Operator) -> NodeOut:
-        """Replace a node's labels. From then on the operator's labels win over what the agent reports."""
+    async def set_labels(
+        node: str,
+        body: LabelsIn,
+        who: Operator,
+        response: Response,
+        if_match: Annotated[str | None, Header(description="the node's revision (its ETag): refuse (412) if it changed since")] = None,
+    ) -> NodeOut:
+        """Replace a node's labels. From then on the operator's labels win over what the agent reports.
+        With `If-Match`, only if the node is still at that revision."""
         row = await store.get_node(node)
-        await store.set_labels(row["id"], body.labels)
+        await store.set_labels(row["id"], body.labels, _revision_of(if_match))
         await audit(who, "node.labels", row["id"], labels=body.labels)
-        return node_out(await store.get_node(row["id"]))
+        row = await store.get_node(row["id"])
+        response.headers["ETag"] = f'"{row["revision"]}"'
+        return node_out(row)
 
     @app.post("/v1/nodes/{node}/undrain", response_model=NodeOut, responses=_ERRORS)
     async def undrain(node: str, who: Operator) -> NodeOut:

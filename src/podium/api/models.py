@@ -129,6 +129,8 @@ class NodeOut(BaseModel):
     drain_phase: str = "active"
     # past it, what still runs on the draining node is requeued or lost by its node-loss policy
     drain_deadline: datetime | None = None
+    # counts the operator's changes (labels, drain); also the ETag. If-Match on a label change.
+    revision: int = 1
     pool: str
     arch: str
     labels: dict[str, str]
@@ -304,7 +306,7 @@ def node_out(r: Any) -> NodeOut:
         protocol_min=r["protocol_min"], protocol_max=r["protocol_max"], gpu_indexes=list(r["gpu_indexes"]),
         instance_id=r.get("instance_id"),
         drain_phase=r.get("drain_phase") or ("draining" if r["draining"] else "active"),
-        drain_deadline=r.get("drain_deadline"),
+        drain_deadline=r.get("drain_deadline"), revision=r.get("revision", 1),
     )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from typing import Any, ParamSpec, TypeVar
 import asyncpg
 
 from podium import metrics, reasons
-from podium.errors import Ambiguous, Conflict, Contention, NotFound, StoreUnavailable
+from podium.errors import Ambiguous, Conflict, Contention, NotFound, PreconditionFailed, StoreUnavailable
 from podium.spec import TaskSpec
 from podium.states import AttemptState, TaskState, is_allowed
 from podium.store.migrate import migrate
@@ -813,11 +813,19 @@ class Store:
         return rows[0]
 
     @_retried
-    async def set_labels(self, node_id: str, labels: dict[str, str]) -> None:
+    async def set_labels(self, node_id: str, labels: dict[str, str], if_revision: int | None = None) -> None:
+        """Replace a node's labels; with `if_revision`, only if the node is still at that revision
+        (else PreconditionFailed naming both)."""
         async with self._conn() as conn:
-            row = await conn.fetchrow(self.q["set_labels"], node_id, labels)
-        if row is None:
+            row = await conn.fetchrow(self.q["set_labels"], node_id, labels, if_revision)
+            current = None if row is not None else await conn.fetchval(self.q["node_revision"], node_id)
+        if row is None and current is None:
             raise NotFound(f"no node {node_id!r}")
+        if row is None:
+            raise PreconditionFailed(
+                f"node {node_id} is at revision {current}, not revision {if_revision} as this request expects; "
+                f"read its labels again (`podium nodes`) and decide again"
+            )
 
     async def placement_nodes(self) -> list[asyncpg.Record]:
         async with self._conn() as conn:

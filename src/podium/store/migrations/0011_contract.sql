@@ -21,3 +21,9 @@ $$;
 -- attempt, a cancel) adds one in the same statement, so a client holding revision N can make its
 -- write conditional on nothing having changed since (If-Match).
 ALTER TABLE tasks ADD COLUMN revision bigint NOT NULL DEFAULT 1;
+
+-- A node's revision counts the operator's changes to it (labels, drain), so `If-Match` on a label
+-- change refuses to overwrite labels someone else changed since they were read. Heartbeats and
+-- Hellos do not touch it: they change the node many times a minute and say nothing an operator
+-- decided.
+ALTER TABLE nodes ADD COLUMN revision bigint NOT NULL DEFAULT 1;

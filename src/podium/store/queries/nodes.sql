@@ -183,7 +183,7 @@ WHERE id = $1 OR name = $1 ORDER BY (id = $1) DESC LIMIT 2
 
 -- set_draining --
 -- A drain's deadline ($3 seconds from now by the database clock; NULL: none); undrain clears it.
-UPDATE nodes SET draining = $2, updated_at = now(),
+UPDATE nodes SET draining = $2, updated_at = now(), revision = revision + 1,
     drain_deadline = CASE WHEN $2 AND $3::float8 IS NOT NULL THEN now() + make_interval(secs => $3::float8) END
 WHERE id = $1
 RETURNING id, pg_notify('podium_dispatch', '')
@@ -203,5 +203,10 @@ WHERE (delivered_at IS NULL AND state = 'assigned') OR (stop_requested_at IS NOT
 
 -- set_labels --
 -- An operator's labels replace the agent's from now on (labels_overridden), and wake placement.
-UPDATE nodes SET labels = $2, labels_overridden = true, updated_at = now() WHERE id = $1
-RETURNING id, pg_notify('podium_dispatch', '')
+-- $3: the revision the operator read (If-Match), or NULL for any; a stale one changes nothing.
+UPDATE nodes SET labels = $2, labels_overridden = true, updated_at = now(), revision = revision + 1
+WHERE id = $1 AND ($3::bigint IS NULL OR revision = $3::bigint)
+RETURNING id, revision, pg_notify('podium_dispatch', '')
+
+-- node_revision --
+SELECT revision FROM nodes WHERE id = $1
