@@ -3,11 +3,13 @@
     PodiumError
     ├── NotFound            — no such task / node
     ├── Conflict            — the request disagrees with what is stored (idempotency key reused, …)
-    │   └── Ambiguous       — an id prefix that more than one thing starts with (409, with the candidates)
+    │   ├── Ambiguous       — an id prefix that more than one thing starts with (409, with the candidates)
+    │   └── PreconditionFailed — a write conditional on a revision (If-Match) that is no longer current (412)
     ├── InvalidRequest      — the input is wrong; the message says how to fix it
     ├── Unauthorized        — no valid credential (401)
     ├── Forbidden           — a valid credential that may not do this (403)
     ├── StoreUnavailable    — PostgreSQL cannot be reached; nothing was written
+    │   └── Contention      — a write kept losing to concurrent ones past its retry limit (503, Retry-After)
     ├── Overloaded          — the server sheds submissions until it catches up (429, Retry-After)
     ├── EmbeddedDatabaseError — the embedded PostgreSQL would not start
     └── RegistryError       — an image's registry did not resolve its tag; `.detail` is its own words
@@ -44,6 +46,10 @@ class Ambiguous(Conflict):
         self.candidates = candidates or []
 
 
+class PreconditionFailed(Conflict):
+    """The thing changed since the revision this request names; read it again and decide again."""
+
+
 class InvalidRequest(PodiumError):
     """The request is not valid."""
 
@@ -58,6 +64,14 @@ class Forbidden(PodiumError):
 
 class StoreUnavailable(PodiumError):
     """The database cannot be reached; nothing was written."""
+
+
+class Contention(StoreUnavailable):
+    """The database kept refusing this write because of concurrent ones; nothing was written. Retry later."""
+
+    def __init__(self, message: str | None = None, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Overloaded(PodiumError):

@@ -55,3 +55,14 @@ IMAGE_RESOLUTIONS = Counter(
     "failed (no such image, or credentials refused: the task failed).",
     ["outcome"],
 )
+SERIALIZATION_RETRIES = Counter(
+    "podium_serialization_retries_total",
+    "Store operations run again after PostgreSQL refused them for contention (serialization failure, "
+    "deadlock, lock timeout), by operation.",
+    ["operation"],
+)
+SERIALIZATION_GIVEUPS = Counter(
+    "podium_serialization_giveups_total",
+    "Store operations that failed with Contention: refused for contention more than `serialization_retry_limit` times.",
+    ["operation"],
+)

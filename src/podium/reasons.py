@@ -49,6 +49,11 @@ NODE_ERROR = "the node failed to run the task"
 # another agent process took over the node's identity without this task; the task was given up
 # only once the process that ran it had certainly stopped it (its fence deadline)
 INSTANCE_REPLACED = "the agent process running this task was replaced by another one for the same node"
+# `podium drain NODE --deadline`: the node is being taken out of service and the task was still on it
+DRAIN_DEADLINE = "the node's drain deadline passed while this task was still on it"
+
+# --- a dry run's answer (`podium submit --check`, POST /v1/tasks/check): the seed's ErrNoCompatibleRunner
+NO_COMPATIBLE_RUNNER = "no compatible runner: no node of the fleet could ever run this task"
 
 # --- told to an agent process ------------------------------------------------------------------------
 SUPERSEDED = "another agent process now presents this node's identity"

@@ -31,6 +31,7 @@ from podium.scheduler.service import Scheduler
 from podium.security.secretbox import SecretBox, load_key
 from podium.security.service import Security
 from podium.store import Store
+from podium.store.db import DEFAULT_SERIALIZATION_RETRY_LIMIT
 from podium.store.embedded import EmbeddedPostgres
 from podium.timing import Timing, timing_from_env
 
@@ -55,6 +56,8 @@ class ServerConfig:
     client_ca: Path | None = None  # PEM; agents must present a certificate it signed (mutual TLS)
     retention: float = 7 * 86400.0  # seconds finished tasks (with their events and logs) are kept
     max_lag: float = DEFAULT_MAX_LAG  # seconds of event-loop lag past which submissions are shed; 0: never
+    # how often one store operation refused for contention is run again before it fails (503)
+    serialization_retry_limit: int = DEFAULT_SERIALIZATION_RETRY_LIMIT
 
 
 class LoopDied(Exception):
@@ -110,7 +113,8 @@ class PodiumServer:
 
     async def _run(self) -> None:
         url = await self._database_url()
-        store = self.store = await Store.connect(url, min_size=2, max_size=20)
+        retry_limit = self.cfg.serialization_retry_limit
+        store = self.store = await Store.connect(url, min_size=2, max_size=20, serialization_retry_limit=retry_limit)
         applied = await store.migrate()
         if applied:
             log.info("applied migrations: %s", ", ".join(applied))
@@ -122,11 +126,11 @@ class PodiumServer:
         resolver = ImageResolver(store, security, self.timing, resolve=self.resolve_image, server_id=self.server_id)
         # Node reports and heartbeats get a pool of their own: a burst of API traffic must never
         # make a healthy node look silent, or a prompt accept look late.
-        self.liveness_store = await Store.connect(url, min_size=2, max_size=10)
+        self.liveness_store = await Store.connect(url, min_size=2, max_size=10, serialization_retry_limit=retry_limit)
         # and heartbeats one more of their own, so no backlog of reports ever delays them; the
         # group commits of reports and the outbox takes one more, so no Hello storm delays those
-        self.beats_store = await Store.connect(url, min_size=1, max_size=2)
-        self.reports_store = await Store.connect(url, min_size=2, max_size=3)
+        self.beats_store = await Store.connect(url, min_size=1, max_size=2, serialization_retry_limit=retry_limit)
+        self.reports_store = await Store.connect(url, min_size=2, max_size=3, serialization_retry_limit=retry_limit)
         gateway_scheduler = Scheduler(
             self.liveness_store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy
         )

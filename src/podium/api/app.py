@@ -15,21 +15,21 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 from urllib.parse import urlencode
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from podium import __version__
+from podium import __version__, reasons
 from podium.api.guard import RequestGuard
 from podium.api.ui import install as install_ui
 from podium.api.models import (
-    AuditOut, BatchIn, ErrorOut, EventOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeEventOut, NodeOut, SubmitNamedIn, SubmitResponse,
+    AuditOut, BatchIn, CheckOut, ErrorOut, EventOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeEventOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
 )  # fmt: skip
-from podium.errors import Ambiguous, Conflict, Forbidden, InvalidRequest, NotFound, Overloaded, StoreUnavailable, Unauthorized
+from podium.errors import Ambiguous, Conflict, Contention, Forbidden, InvalidRequest, NotFound, Overloaded, PreconditionFailed, StoreUnavailable, Unauthorized
 from podium.pressure import Pressure
 from podium.security.service import REGISTRY_PREFIX, Principal, Security, validate_registry_host
 from podium.security.tokens import Role
@@ -37,6 +37,7 @@ from podium.scheduler.service import Scheduler
 from podium.spec import SubmitRequest, TaskSpec, validate_name
 from podium.states import TERMINAL, TaskState
 from podium.store import Store
+from podium.units import parse_duration
 
 FOLLOW_POLL = 0.1  # seconds between reads while following logs
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -158,7 +159,9 @@ _UUID_PREFIX = re.compile(r"^[0-9a-fA-F][0-9a-fA-F-]{0,35}$")
 
 
 # Podium's errors and the HTTP status each one is; the message is the exception's own sentence.
-_STATUS: dict[type[Exception], int] = {InvalidRequest: 422, NotFound: 404, Conflict: 409, Unauthorized: 401, Forbidden: 403}
+_STATUS: dict[type[Exception], int] = {
+    InvalidRequest: 422, NotFound: 404, Conflict: 409, Unauthorized: 401, Forbidden: 403, PreconditionFailed: 412,
+}
 
 _bearer = HTTPBearer(auto_error=False, description="an operator token: pdm_<id>.<secret>")
 
@@ -176,6 +179,16 @@ def _needs(role: Role) -> Any:
 Viewer = Annotated[Principal, _needs(Role.VIEWER)]
 Operator = Annotated[Principal, _needs(Role.OPERATOR)]
 Admin = Annotated[Principal, _needs(Role.ADMIN)]
+
+
+def _revision_of(if_match: str | None) -> int | None:
+    """An If-Match header's revision: `3`, `"3"` or `W/"3"`; `*` (or none) means any."""
+    if if_match is None or if_match.strip() == "*":
+        return None
+    value = if_match.strip().removeprefix("W/").strip('"')
+    if not value.isdigit() or len(value) > 18:
+        raise InvalidRequest(f"If-Match: {if_match[:40]!r} is not a revision; send the revision (the ETag), e.g. If-Match: \"3\"")
+    return int(value)
 
 
 def create_app(store: Store, scheduler: Scheduler, security: Security, pressure: Pressure | None = None) -> FastAPI:
@@ -223,6 +236,15 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
     async def _su(_r: Request, exc: StoreUnavailable) -> JSONResponse:
         return JSONResponse({"error": f"{exc}; retry (with the same idempotency key for a submit)"}, status_code=503)
 
+    @app.exception_handler(Contention)
+    async def _contention(_r: Request, exc: Contention) -> JSONResponse:
+        # Contention passes: a 503 with Retry-After, never a 404 or a 500.
+        return JSONResponse(
+            {"error": f"{exc}; retry (with the same idempotency key for a submit)"},
+            status_code=503,
+            headers={"Retry-After": str(exc.retry_after)},
+        )
+
     @app.exception_handler(Overloaded)
     async def _overloaded(_r: Request, exc: Overloaded) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after)})
@@ -258,6 +280,20 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         row, created = await store.submit(body.task_spec(), idempotency_key=body.idempotency_key, actor=who.actor)
         resp = SubmitResponse(task=task_out(row), created=created)
         return JSONResponse(json.loads(resp.model_dump_json()), status_code=201 if created else 200)
+
+    @app.post("/v1/tasks/check", response_model=CheckOut, responses=_ERRORS)
+    async def check(body: SubmitRequest, _who: Viewer) -> CheckOut:
+        """Dry run: could any node of the fleet ever run this spec, and why not each node (hard
+        compatibility only, ignoring what is free, connected or draining now). Stores nothing."""
+        spec = body.task_spec()
+        r = spec.resources
+        verdicts = await scheduler.check(json.loads(spec.model_dump_json()), r.cpu, r.memory, r.disk, r.gpus)
+        runnable = any(v.failed is None for v, _row in verdicts)
+        return CheckOut(
+            runnable=runnable, reason=None if runnable else reasons.NO_COMPATIBLE_RUNNER,
+            nodes=[VerdictOut(node_id=v.node_id, name=row["name"], fits=v.failed is None, failed=v.failed, score=None,
+                              avoided=False, health=row["health"]) for v, row in verdicts],
+        )  # fmt: skip
 
     @app.post("/v1/tasks/batch", response_model=list[SubmitResponse], responses=_SUBMIT_BATCH)
     async def submit_batch(body: BatchIn, who: Operator) -> list[SubmitResponse]:
@@ -298,20 +334,28 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         return [task_out(r, last.get(r["id"])) for r in rows]
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskDetail, responses=_ERRORS)
-    async def get_task(task_id: str, _who: Viewer) -> TaskDetail:
+    async def get_task(task_id: str, _who: Viewer, response: Response) -> TaskDetail:
         task, attempts, events = await store.task_detail(await task_ref(task_id))
         last = (await store.last_attempt_nodes([task["id"]])).get(task["id"])
+        response.headers["ETag"] = f'"{task["revision"]}"'
         return TaskDetail(
             **task_out(task, last).model_dump(), attempt_list=[attempt_out(a) for a in attempts], events=[event_out(e) for e in events]
         )
 
     @app.post("/v1/tasks/{task_id}/cancel", response_model=TaskOut, responses=_ERRORS)
-    async def cancel(task_id: str, who: Operator) -> TaskOut:
+    async def cancel(
+        task_id: str,
+        who: Operator,
+        response: Response,
+        if_match: Annotated[str | None, Header(description="the task's revision (its ETag): refuse (412) if it changed since")] = None,
+    ) -> TaskOut:
         """Cancel a task: a queued one ends at once, one on a node is stopped there (SIGTERM, then
-        SIGKILL after the grace); a task already ended is returned unchanged."""
+        SIGKILL after the grace); a task already ended is returned unchanged. With `If-Match`, only
+        if the task is still at that revision."""
         tid = await task_ref(task_id)
-        row = await scheduler.cancel(tid, actor=who.actor)
+        row = await scheduler.cancel(tid, actor=who.actor, if_revision=_revision_of(if_match))
         await audit(who, "task.cancel", str(tid), state=row["state"])
+        response.headers["ETag"] = f'"{row["revision"]}"'
         return task_out(row)
 
     @app.get("/v1/tasks/{task_id}/logs", response_model=LogsOut, responses=_ERRORS)
@@ -428,8 +472,10 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         return [node_out(r, releasing.get(r["id"])) for r in rows]
 
     @app.get("/v1/nodes/{node}", response_model=NodeOut, responses=_ERRORS)
-    async def get_node(node: str, _who: Viewer) -> NodeOut:
-        return await _node(node)
+    async def get_node(node: str, _who: Viewer, response: Response) -> NodeOut:
+        out = await _node(node)
+        response.headers["ETag"] = f'"{out.revision}"'
+        return out
 
     async def _node(node: str) -> NodeOut:
         """A node as the API shows it, with the capacity it still holds for sandboxes being removed."""
@@ -446,20 +492,42 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
         return [NodeEventOut(**dict(r)) for r in await store.node_events(row["id"], after, limit)]
 
     @app.post("/v1/nodes/{node}/drain", response_model=NodeOut, responses=_ERRORS)
-    async def drain(node: str, who: Operator) -> NodeOut:
-        """Take no new work on this node; what it runs finishes."""
+    async def drain(
+        node: str,
+        who: Operator,
+        deadline: Annotated[str | None, Query(description="e.g. 10m: past it, what still runs there is requeued or lost by its node-loss policy")] = None,
+    ) -> NodeOut:
+        """Take no new work on this node; what it runs finishes (or, past `deadline`, goes through
+        its node-loss policy). `drain_phase` says when it is drained: nothing left, safe to power off."""
+        seconds = None
+        if deadline is not None:
+            try:
+                seconds = parse_duration(deadline)
+            except ValueError as e:
+                raise InvalidRequest(f"deadline: {e}") from None
+            if seconds < 0:
+                raise InvalidRequest("deadline: must not be negative (e.g. 10m)")
         row = await store.get_node(node)
-        await store.set_draining(row["id"], True)
-        await audit(who, "node.drain", row["id"])
+        await store.set_draining(row["id"], True, seconds)
+        await audit(who, "node.drain", row["id"], deadline=seconds)
         return await _node(row["id"])
 
     @app.put("/v1/nodes/{node}/labels", response_model=NodeOut, responses=_ERRORS)
-    async def set_labels(node: str, body: LabelsIn, who: Operator) -> NodeOut:
-        """Replace a node's labels. From then on the operator's labels win over what the agent reports."""
+    async def set_labels(
+        node: str,
+        body: LabelsIn,
+        who: Operator,
+        response: Response,
+        if_match: Annotated[str | None, Header(description="the node's revision (its ETag): refuse (412) if it changed since")] = None,
+    ) -> NodeOut:
+        """Replace a node's labels. From then on the operator's labels win over what the agent reports.
+        With `If-Match`, only if the node is still at that revision."""
         row = await store.get_node(node)
-        await store.set_labels(row["id"], body.labels)
+        await store.set_labels(row["id"], body.labels, _revision_of(if_match))
         await audit(who, "node.labels", row["id"], labels=body.labels)
-        return await _node(row["id"])
+        out = await _node(row["id"])
+        response.headers["ETag"] = f'"{out.revision}"'
+        return out
 
     @app.post("/v1/nodes/{node}/undrain", response_model=NodeOut, responses=_ERRORS)
     async def undrain(node: str, who: Operator) -> NodeOut:

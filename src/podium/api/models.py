@@ -68,6 +68,9 @@ class TaskOut(BaseModel):
     spec_name: str | None
     spec_revision: int | None
     spec: dict[str, Any]
+    # The assignment revision: bumped by every change of state, node or attempt (also the ETag);
+    # `If-Match: <revision>` on cancel refuses to act on a task that changed since (412).
+    revision: int = 1
     # Where the latest attempt ran or runs, also once the task has ended (node_id is then None: the
     # task holds no node). Filled by the task listing and the task detail; None if never placed.
     last_node_id: str | None = None
@@ -135,6 +138,12 @@ class NodeOut(BaseModel):
     health: str
     connected: bool
     draining: bool
+    # active (takes work), draining (no new work; some still on it) or drained (nothing on it: safe to power off)
+    drain_phase: str = "active"
+    # past it, what still runs on the draining node is requeued or lost by its node-loss policy
+    drain_deadline: datetime | None = None
+    # counts the operator's changes (labels, drain); also the ETag. If-Match on a label change.
+    revision: int = 1
     pool: str
     arch: str
     labels: dict[str, str]
@@ -181,6 +190,16 @@ class ExplainOut(BaseModel):
     state: str
     reason: str | None
     node_id: str | None
+    nodes: list[VerdictOut]
+
+
+class CheckOut(BaseModel):
+    """A dry run's answer: could any node of the fleet ever run this spec (nothing is stored)."""
+
+    runnable: bool
+    reason: str | None  # reasons.NO_COMPATIBLE_RUNNER when no node ever could
+    # every node, judged as if online, undrained and empty: `failed` is the first hard check it
+    # fails; `health` is what it is now
     nodes: list[VerdictOut]
 
 
@@ -281,6 +300,7 @@ def task_out(r: Any, last_node: tuple[str, str | None] | None = None) -> TaskOut
         idempotency_key=r["idempotency_key"], spec_name=r["spec_name"], spec_revision=r["spec_revision"], spec=r["spec"],
         last_node_id=last_node[0] if last_node else None, last_node_name=last_node[1] if last_node else None,
         reason_detail=r["reason_detail"], image=r["image"], image_digest=r["image_digest"], resolved_at=r["resolved_at"],
+        revision=r.get("revision", 1),
     )  # fmt: skip
 
 
@@ -310,6 +330,8 @@ def node_out(r: Any, releasing: Any = None) -> NodeOut:
         egress_contexts=list(r["egress_contexts"]), enforces_limits=r["enforces_limits"],
         releasing=ResourcesOut(**{k: held[k] for k in _NOTHING}),
         instance_id=r.get("instance_id"),
+        drain_phase=r.get("drain_phase") or ("draining" if r["draining"] else "active"),
+        drain_deadline=r.get("drain_deadline"), revision=r.get("revision", 1),
     )  # fmt: skip
 
 

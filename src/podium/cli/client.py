@@ -123,14 +123,18 @@ class Client:
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._request("POST", "/v1/tasks", json=body)
 
+    def check(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._request("POST", "/v1/tasks/check", json=body)
+
     def tasks(self, limit: int | None = 100, **params: Any) -> Listing:
         return self.listing("/v1/tasks", limit, **params)
 
     def task(self, task_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/tasks/{_q(task_id)}")
 
-    def cancel(self, task_id: str) -> dict[str, Any]:
-        return self._request("POST", f"/v1/tasks/{_q(task_id)}/cancel")
+    def cancel(self, task_id: str, if_revision: int | None = None) -> dict[str, Any]:
+        headers = {"If-Match": f'"{if_revision}"'} if if_revision is not None else None
+        return self._request("POST", f"/v1/tasks/{_q(task_id)}/cancel", headers=headers)
 
     def logs(self, task_id: str, after: int = 0) -> dict[str, Any]:
         return self._request("GET", f"/v1/tasks/{_q(task_id)}/logs", params={"after": after})
@@ -241,8 +245,9 @@ class Client:
     def node_events(self, node: str, after: int = 0) -> list[dict[str, Any]]:
         return self._request("GET", f"/v1/nodes/{node}/events", params={"after": after})
 
-    def drain(self, node: str, draining: bool) -> dict[str, Any]:
-        return self._request("POST", f"/v1/nodes/{_q(node)}/{'drain' if draining else 'undrain'}")
+    def drain(self, node: str, draining: bool, deadline: str | None = None) -> dict[str, Any]:
+        params = {"deadline": deadline} if draining and deadline is not None else None
+        return self._request("POST", f"/v1/nodes/{_q(node)}/{'drain' if draining else 'undrain'}", params=params)
 
 
 def _retry_after(r: httpx.Response) -> float:

@@ -56,6 +56,9 @@ EXIT_OTHER = 1
 EXIT_REFUSED = 3  # the server refuses this node's identity
 EXIT_SUPERSEDED = 4  # another agent process took this node's identity over
 EXIT_BUSY = 5  # another process holds the state (or data) directory
+# How `podium submit --check` exits when no node of the fleet could ever run the spec (the seed's
+# ErrNoCompatibleRunner): distinct from 1 (the check itself failed) so a script can tell the two apart.
+EXIT_NO_RUNNER = 6
 
 
 class _Table(Table):
@@ -98,6 +101,9 @@ def server(
     retention: Annotated[str, typer.Option(help="how long finished tasks, their events and logs are kept")] = "7d",
     max_lag: Annotated[str, typer.Option(
         help="refuse submissions (429) while the server's event loop is this far behind; 0 never refuses")] = "250ms",
+    serialization_retry_limit: Annotated[int, typer.Option(
+        envvar="PODIUM_SERIALIZATION_RETRY_LIMIT", min=0, max=1000,
+        help="how often a write PostgreSQL refused for contention is retried before it fails (503)")] = 5,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a server. With PODIUM_DATABASE_URL it uses that PostgreSQL; without, an embedded one."""
@@ -121,7 +127,7 @@ def server(
         database_url=os.environ.get("PODIUM_DATABASE_URL") or None,
         host=host, port=port, grpc_host=grpc_host, grpc_port=grpc_port, placement_policy=placement,
         tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca, retention=_parse(parse_duration, retention, "--retention"),
-        max_lag=_parse(parse_duration, max_lag, "--max-lag"),
+        max_lag=_parse(parse_duration, max_lag, "--max-lag"), serialization_retry_limit=serialization_retry_limit,
     )  # fmt: skip
 
     async def main() -> None:
@@ -570,16 +576,35 @@ def _attach(client: Client, tid: str) -> int:
 @app.command()
 def submit(
     file: Annotated[str, typer.Argument(help="a YAML or JSON spec file, or - for standard input")],
+    check: Annotated[bool, typer.Option("--check", help=(
+        "store nothing: say whether any node of the fleet could ever run this spec, and why not each node; "
+        f"exits {EXIT_NO_RUNNER} when none could"))] = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Submit a task from a spec file; prints its id."""
     body = _read_spec(file)
+    if check:
+        _check(Client(server).check(_validate(body)), json_out)
+        return
     resp = Client(server).submit(_validate(body))
     if json_out:
         print(json.dumps(resp, indent=2))
     else:
         print(resp["task"]["id"])
+
+
+def _check(resp: dict[str, Any], json_out: bool) -> None:
+    if json_out:
+        print(json.dumps(resp, indent=2))
+    else:
+        # one line per node, never truncated: the explanation is the point
+        for n in resp["nodes"]:
+            verdict = "could run it" if n["fits"] else f"could never run it: {n['failed']}"
+            out.print(f"{n['node_id']} ({n['name']}, {n['health']} now): {verdict}", markup=False, soft_wrap=True, highlight=False)
+        out.print("some node of the fleet can run this spec" if resp["runnable"] else resp["reason"], markup=False)
+    if not resp["runnable"]:
+        raise typer.Exit(EXIT_NO_RUNNER)
 
 
 @app.command("ls")
@@ -718,9 +743,15 @@ def logs(
 
 
 @app.command()
-def cancel(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> None:
+def cancel(
+    task_id: str,
+    if_revision: Annotated[int | None, typer.Option(
+        "--if-revision", min=1, help="only if the task is still at this revision (`podium show --json`): refused if it changed")] = None,
+    server: ServerOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
     """Cancel a task (a running one gets SIGTERM, then SIGKILL after the grace)."""
-    r = Client(server).cancel(task_id)
+    r = Client(server).cancel(task_id, if_revision)
     if json_out:
         print(json.dumps(r, indent=2))
     else:
@@ -742,13 +773,14 @@ def nodes(
         _more(listing, json_out)
         return
     t = _Table(box=None)
-    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAINING", "CPU", "MEMORY", "SLOTS", "RELEASING", "BACKENDS", "EGRESS", "LIMITS", "LABELS"):
+    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAIN", "CPU", "MEMORY", "SLOTS", "RELEASING", "BACKENDS", "EGRESS", "LIMITS", "LABELS"):
         t.add_column(col)
     for n in rows:
         a, r = n["allocatable"], n["reserved"]
         rel = n.get("releasing") or {}
         # health beside connected: a connected node is not a healthy one (a frozen agent's stream stays open)
-        t.add_row(n["id"], n["name"], _health(n["health"]), "yes" if n["connected"] else "no", "yes" if n["draining"] else "",
+        t.add_row(n["id"], n["name"], _health(n["health"]), "yes" if n["connected"] else "no",
+                  "" if n.get("drain_phase", "active") == "active" else n.get("drain_phase", "draining"),
                   f"{format_cpu(r['cpu_millis'])}/{format_cpu(a['cpu_millis'])}",
                   f"{format_size(r['memory_bytes'])}/{format_size(a['memory_bytes'])}", f"{r['slots']}/{a['slots']}",
                   # capacity still held by ended attempts whose sandboxes are not proven removed yet
@@ -780,10 +812,28 @@ def node_history(node: str, server: ServerOpt = None, json_out: JsonOpt = False)
 
 
 @app.command()
-def drain(node: str, server: ServerOpt = None) -> None:
-    """Stop placing new work on a node; what it runs finishes."""
-    n = Client(server).drain(node, True)
-    out.print(f"node {n['name']} ({n['id']}) is draining", markup=False)
+def drain(
+    node: str,
+    deadline: Annotated[str | None, typer.Option(
+        help="e.g. 10m: past it, what still runs there is requeued or lost by each task's node-loss policy")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="return only when the node is drained (nothing left on it)")] = False,
+    server: ServerOpt = None,
+) -> None:
+    """Stop placing new work on a node; what it runs finishes (or, past --deadline, is requeued or lost)."""
+    if deadline is not None:
+        _parse(parse_duration, deadline, "--deadline")
+    client = Client(server)
+    n = client.drain(node, True, deadline)
+    out.print(f"node {n['name']} ({n['id']}) is {n.get('drain_phase', 'draining')}", markup=False)
+    if not wait:
+        return
+    # Polled, not followed: a GET per second is nothing to the server, and survives a reconnect.
+    while n.get("drain_phase") != "drained":
+        if n.get("drain_phase") == "active":
+            raise CliError(f"node {n['name']} was undrained while waiting for it to drain")
+        time.sleep(1.0)
+        n = client.node(n["id"])
+    out.print(f"node {n['name']} ({n['id']}) is drained: nothing runs there, safe to power off", markup=False)
 
 
 @app.command()

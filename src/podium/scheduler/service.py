@@ -13,6 +13,7 @@ compare-and-set in the store with the `from` just read, and every time is the da
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -21,7 +22,7 @@ from typing import Any
 import asyncpg
 
 from podium import metrics, reasons
-from podium.errors import NotFound, StoreUnavailable
+from podium.errors import NotFound, PreconditionFailed, StoreUnavailable
 from podium.placement import NodeSnapshot, NodeVerdict, Placer, Requirements, Resources, Unplaceable, explain
 from podium.scheduler import policy
 from podium.scheduler.policy import Step, TaskFacts
@@ -253,6 +254,7 @@ class Scheduler:
         actor: str | None = None,
         fencing_token: int | None = None,
         node_id: str | None = None,
+        revision: int | None = None,
     ) -> Transition | None:
         if step is None:
             return None
@@ -272,6 +274,7 @@ class Scheduler:
             failure_class=step.failure_class,
             detail=step.detail,
             release=step.release,
+            revision=revision,
         )
         if result is not None:
             log.debug("task %s: %s → %s (%s)", task_id, from_, step.to, step.reason or "-")
@@ -316,6 +319,18 @@ class Scheduler:
             log.info("attempt %d of task %s on node %s: released without a proof (its node is gone)",
                      r["fencing_token"], r["task_id"], r["node_id"])  # fmt: skip
 
+        # A drain's deadline passed: what still runs on the node goes through the node-loss policy
+        # (requeued if the spec allows it and attempts remain, else lost; docs/decisions.md), each a
+        # compare-and-set from the state and attempt just read.
+        for row in await self.store.drain_overdue(SWEEP_LIMIT):
+            f = facts(row)
+            done = await self.apply(row["id"], f.state, policy.on_node_loss(f, reasons.DRAIN_DEADLINE), fencing_token=row["fencing_token"])
+            if done is not None:
+                await self.store.node_event(
+                    row["node_id"], "drain", f"task {row['id']} (attempt token {row['fencing_token']}): {reasons.DRAIN_DEADLINE}",
+                    {"task": str(row["id"]), "fencing_token": row["fencing_token"]},
+                )  # fmt: skip
+
         for row in await self.store.overdue_accepts(SWEEP_LIMIT):
             f = facts(row)
             await self.apply(row["id"], f.state, policy.on_accept_overdue(f), fencing_token=row["fencing_token"])
@@ -350,6 +365,22 @@ class Scheduler:
         verdicts = explain(req, snaps, policy=self.policy_name)
         return task, [(v, everyone.get(v.node_id)) for v in verdicts], req.avoid_nodes
 
+    async def check(self, spec: dict[str, Any], cpu: int, memory: int, disk: int, gpus: int) -> list[tuple[NodeVerdict, asyncpg.Record]]:
+        """Could any node of the fleet ever run this spec? Hard compatibility only (pool, arch,
+        backend, protocol, labels, capabilities, too large): every node that is not removed is
+        judged as if it were online, undrained and empty, since connections, health, drains and
+        what is free now all change. Reads only; stores nothing."""
+        rows = {r["id"]: r for r in await self.store.list_nodes() if r["revoked_at"] is None}
+        req = requirements(spec, cpu, memory, disk, gpus)
+        empty = Resources(0, 0, 0, 0, 0)
+        snaps = [
+            dataclasses.replace(
+                node_snapshot({**dict(r), "gpus_in_use": []}), connected=True, health="online", draining=False, reserved=empty
+            )
+            for r in rows.values()
+        ]
+        return [(v, rows[v.node_id]) for v in explain(req, snaps, policy=self.policy_name)]
+
     async def node_removed(self, node_id: str) -> None:
         """A node was removed from the fleet: its tasks go through the node-loss policy now, not
         after OfflineAfter — it will never report again."""
@@ -358,15 +389,22 @@ class Scheduler:
             f = facts(row)
             await self.apply(r["id"], f.state, policy.on_node_loss(f, reasons.NODE_REVOKED), fencing_token=r["fencing_token"])
 
-    async def cancel(self, task_id: uuid.UUID, actor: str) -> asyncpg.Record:
+    async def cancel(self, task_id: uuid.UUID, actor: str, if_revision: int | None = None) -> asyncpg.Record:
         """Cancel a task: a queued one ends at once; one on a node is told to stop. Retries the
-        compare-and-set when the task moved underneath (e.g. it was placed in between)."""
+        compare-and-set when the task moved underneath (e.g. it was placed in between). With
+        `if_revision`, only while the task is still at that assignment revision (checked in the
+        compare-and-set itself): otherwise PreconditionFailed, naming both revisions."""
         for _ in range(10):
             row = await self.store.get_task(task_id)
+            if if_revision is not None and row["revision"] != if_revision:
+                raise PreconditionFailed(
+                    f"task {task_id} is at revision {row['revision']}, not revision {if_revision} as this request "
+                    f"expects (it is {row['state']} now); read it again (`podium show {task_id}`) and decide again"
+                )
             f = facts(row)
             step = policy.on_cancel(f)
             if step is None:
                 return row  # already ended or already being cancelled: nothing to do
-            if await self.apply(task_id, f.state, step, actor=actor, fencing_token=row["fencing_token"]):
+            if await self.apply(task_id, f.state, step, actor=actor, fencing_token=row["fencing_token"], revision=if_revision):
                 return await self.store.get_task(task_id)
         raise NotFound(f"task {task_id} kept changing state; try again")

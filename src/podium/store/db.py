@@ -8,20 +8,23 @@ the decision durable or refuses it.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
+import random
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import asyncpg
 
-from podium import reasons
-from podium.errors import Ambiguous, Conflict, NotFound, StoreUnavailable
+from podium import metrics, reasons
+from podium.errors import Ambiguous, Conflict, Contention, NotFound, PreconditionFailed, StoreUnavailable
 from podium.spec import TaskSpec
 from podium.states import AttemptState, TaskState, is_allowed
 from podium.store.migrate import migrate
@@ -48,12 +51,59 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 
 
 # Errors that mean "another transaction got in the way": the whole transaction was rolled back, and
-# doing it again is the answer. Translated like a lost connection, so every caller retries.
+# doing it again is the answer. The store's writes do it again themselves, a bounded number of times
+# (`serialization_retry_limit`, see `_retried`); past that they fail with Contention.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.DeadlockDetectedError,
     asyncpg.exceptions.SerializationError,
     asyncpg.exceptions.LockNotAvailableError,
 )
+
+# The seed's SerializationRetryLimit: how many times one store operation is run again after a
+# serialization failure, deadlock or lock timeout before it fails with Contention.
+DEFAULT_SERIALIZATION_RETRY_LIMIT = 5
+# Backoff before retry n (from 0): a uniformly random wait up to min(CAP, BASE * 2**n). Random, so
+# two writers that collided once do not collide again on the same beat.
+RETRY_BACKOFF_BASE = 0.01
+RETRY_BACKOFF_CAP = 0.5
+
+
+class _Refused(StoreUnavailable):
+    """A transaction PostgreSQL rolled back for contention; `_retried` runs the operation again.
+    A StoreUnavailable, so code that is not retried treats it as before: nothing was written."""
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _retried(op: Callable[_P, Awaitable[_T]]) -> Callable[_P, Awaitable[_T]]:
+    """Run a Store operation again (the whole transaction) when PostgreSQL refused it for
+    contention, at most the store's `serialization_retry_limit` times, each after a jittered
+    backoff; then fail with Contention naming the operation and the contention. Only the outermost
+    operation retries: an inner one's Contention is not `_Refused`, so it is never retried twice over."""
+
+    @functools.wraps(op)
+    async def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        store = args[0]
+        limit = store.serialization_retry_limit  # type: ignore[attr-defined]
+        retries = 0
+        while True:
+            try:
+                return await op(*args, **kwargs)
+            except _Refused as e:
+                if retries >= limit:
+                    metrics.SERIALIZATION_GIVEUPS.labels(op.__name__).inc()
+                    raise Contention(
+                        f"{op.__name__} was refused by PostgreSQL for contention with concurrent writes "
+                        f"{retries + 1} times (serialization failure, deadlock or lock timeout; the "
+                        f"serialization retry limit is {limit}); nothing was written. Last refusal: {e.__cause__}"
+                    ) from e
+                metrics.SERIALIZATION_RETRIES.labels(op.__name__).inc()
+                await asyncio.sleep(random.uniform(0, min(RETRY_BACKOFF_CAP, RETRY_BACKOFF_BASE * 2**retries)))
+                retries += 1
+
+    return run
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +135,7 @@ class Change:
     detail: str | None = None  # the words beside the reason: a node's, an engine's, a registry's
     backend_ref: str | None = None  # the backend's reference to what runs, recorded on the attempt
     release: bool = False  # free a container attempt's capacity with its end, without a proof
+    revision: int | None = None  # the assignment revision the caller read; another one refuses the change
 
     def row(self) -> tuple[Any, ...]:
         if not is_allowed(TaskState(self.from_), TaskState(self.to)):
@@ -94,7 +145,7 @@ class Change:
             self.exit_code, self.lease_seconds, None if self.end_attempt is None else str(self.end_attempt),
             None if self.attempt_state is None else str(self.attempt_state), self.stop, self.actor,
             None if self.failure_class is None else str(self.failure_class), self.detail, self.backend_ref or None,
-            self.release,
+            self.release, self.revision,
         )  # fmt: skip
 
 
@@ -152,13 +203,23 @@ def _init_connection(conn: asyncpg.Connection) -> Any:
 
 
 class Store:
-    def __init__(self, pool: asyncpg.Pool, dsn: str) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, dsn: str, *, serialization_retry_limit: int = DEFAULT_SERIALIZATION_RETRY_LIMIT
+    ) -> None:
         self.pool = pool
         self.dsn = dsn
         self.q = queries()
+        self.serialization_retry_limit = serialization_retry_limit
 
     @classmethod
-    async def connect(cls, dsn: str, *, min_size: int = 2, max_size: int = 10) -> Store:
+    async def connect(
+        cls,
+        dsn: str,
+        *,
+        min_size: int = 2,
+        max_size: int = 10,
+        serialization_retry_limit: int = DEFAULT_SERIALIZATION_RETRY_LIMIT,
+    ) -> Store:
         try:
             pool = await asyncpg.create_pool(
                 dsn, min_size=min_size, max_size=max_size, init=_init_connection, reset=_light_reset, command_timeout=60
@@ -168,7 +229,7 @@ class Store:
         except asyncpg.exceptions.InvalidCatalogNameError as e:
             raise StoreUnavailable(f"the database does not exist: {e}") from e
         assert pool is not None
-        return cls(pool, dsn)
+        return cls(pool, dsn, serialization_retry_limit=serialization_retry_limit)
 
     async def close(self) -> None:
         await self.pool.close()
@@ -185,7 +246,7 @@ class Store:
         except CONNECTION_ERRORS as e:
             raise StoreUnavailable(f"lost the connection to PostgreSQL: {e}") from e
         except TRANSIENT_ERRORS as e:
-            raise StoreUnavailable(f"the database refused a conflicting write ({e}); nothing was written") from e
+            raise _Refused(f"the database refused a conflicting write ({e}); nothing was written") from e
 
     async def listen(
         self, channel: str, callback: Callable[[str], None], also: dict[str, Callable[[str], None]] | None = None
@@ -227,6 +288,7 @@ class Store:
             )
         return existing
 
+    @_retried
     async def submit_many(
         self,
         items: Sequence[tuple[TaskSpec, str | None]],
@@ -272,6 +334,7 @@ class Store:
 
     # ---- named specs ----------------------------------------------------------------------------
 
+    @_retried
     async def put_named_spec(self, name: str, spec: TaskSpec, actor: str) -> asyncpg.Record:
         spec_json = json.loads(spec.model_dump_json())
         for _ in range(5):
@@ -312,6 +375,7 @@ class Store:
             spec, idempotency_key=idempotency_key, actor=actor, spec_name=name, spec_revision=latest["revision"]
         )
 
+    @_retried
     async def transition_task(
         self,
         task_id: uuid.UUID,
@@ -331,6 +395,7 @@ class Store:
         detail: str | None = None,
         backend_ref: str | None = None,
         release: bool = False,
+        revision: int | None = None,
         conn: asyncpg.Connection | None = None,
     ) -> Transition | None:
         """Move a task from `from_` to `to`, or do nothing and return None.
@@ -341,13 +406,14 @@ class Store:
         lease from the database clock (negative: no lease of its own, held by node health). `stop`
         asks the node to stop the attempt. `failure_class` and `detail` are written with an end, in the
         same statement; a container attempt's end frees its capacity only with a recorded release
-        proof, or with `release` (the node-loss policy gave up on its node).
+        proof, or with `release` (the node-loss policy gave up on its node). `revision` (If-Match) refuses the change unless
+        the task is still at that assignment revision; every accepted change bumps it.
         """
         change = Change(
             task_id, from_, to, actor=actor, reason=reason, fencing_token=fencing_token, node_id=node_id,
             exit_code=exit_code, lease_seconds=lease_seconds, end_attempt=end_attempt,
             attempt_state=attempt_state, stop=stop, failure_class=failure_class, detail=detail,
-            backend_ref=backend_ref, release=release,
+            backend_ref=backend_ref, release=release, revision=revision,
         )  # fmt: skip
         cols = _columns([change])
         if conn is not None:
@@ -359,6 +425,7 @@ class Store:
             return None
         return Transition(row["id"], row["fencing_token"], row["attempt_node"])
 
+    @_retried
     async def transition_many(self, changes: Sequence[Change]) -> list[Transition | None]:
         """Many compare-and-sets in one statement and one commit (a group commit), each with the answer
         it would get alone. At most one change per task. The rows are locked first — the tasks in id
@@ -499,6 +566,7 @@ class Store:
 
     # ---- placement ------------------------------------------------------------------------------
 
+    @_retried
     async def dispatch(
         self,
         *,
@@ -591,6 +659,7 @@ class Store:
         """Record a (re)connecting node and give it a new session. None if the node was revoked."""
         return (await self.instance_hello(**facts)).row
 
+    @_retried
     async def instance_hello(
         self,
         *,
@@ -649,6 +718,7 @@ class Store:
             )  # fmt: skip
             return NodeHello(row, superseded=old)
 
+    @_retried
     async def defer_node_loss(self, node_id: str, tokens: Sequence[int]) -> bool:
         """Keep these attempts on the node until its handover deadline; False if it has passed."""
         async with self._conn() as conn:
@@ -662,6 +732,7 @@ class Store:
         async with self._conn() as conn:
             return await conn.fetch(self.q["handover_due"], limit)
 
+    @_retried
     async def handover_done(self) -> None:
         async with self._conn() as conn:
             await conn.execute(self.q["handover_done"])
@@ -674,6 +745,7 @@ class Store:
         async with self._conn() as conn:
             return await conn.fetch(self.q["node_events"], node_id, after, limit)
 
+    @_retried
     async def heartbeats(self, beats: Sequence[tuple[str, int]], gateway_id: str) -> set[str]:
         """Record heartbeats; returns the nodes recorded (not those whose session is no longer current,
         nor removed nodes)."""
@@ -683,10 +755,12 @@ class Store:
             rows = await conn.fetch(self.q["heartbeats"], [b[0] for b in beats], [b[1] for b in beats], gateway_id)
         return {r["id"] for r in rows}
 
+    @_retried
     async def node_disconnected(self, node_id: str, session: int) -> None:
         async with self._conn() as conn:
             await conn.execute(self.q["node_disconnected"], node_id, session)
 
+    @_retried
     async def release_gateway(self, gateway_id: str) -> None:
         async with self._conn() as conn:
             await conn.execute(self.q["release_gateway"], gateway_id)
@@ -695,16 +769,19 @@ class Store:
         async with self._conn() as conn:
             return await conn.fetch(self.q["tasks_on_node"], node_id)
 
+    @_retried
     async def redeliver(self, tokens: Sequence[int]) -> None:
         if tokens:
             async with self._conn() as conn:
                 await conn.execute(self.q["redeliver"], list(tokens))
 
+    @_retried
     async def request_stop(self, node_id: str, tokens: Sequence[int]) -> None:
         if tokens:
             async with self._conn() as conn:
                 await conn.execute(self.q["request_stop"], list(tokens), node_id)
 
+    @_retried
     async def take_outbox(self, node_ids: Sequence[str]) -> list[asyncpg.Record]:
         """What the nodes are owed (Assigns, stops), marked sent; ordered by node, then token."""
         async with self._conn() as conn:
@@ -750,19 +827,31 @@ class Store:
             raise Conflict(f"more than one node is named {ref!r}; use its id")
         return rows[0]
 
-    async def set_labels(self, node_id: str, labels: dict[str, str]) -> None:
+    @_retried
+    async def set_labels(self, node_id: str, labels: dict[str, str], if_revision: int | None = None) -> None:
+        """Replace a node's labels; with `if_revision`, only if the node is still at that revision
+        (else PreconditionFailed naming both)."""
         async with self._conn() as conn:
-            row = await conn.fetchrow(self.q["set_labels"], node_id, labels)
-        if row is None:
+            row = await conn.fetchrow(self.q["set_labels"], node_id, labels, if_revision)
+            current = None if row is not None else await conn.fetchval(self.q["node_revision"], node_id)
+        if row is None and current is None:
             raise NotFound(f"no node {node_id!r}")
+        if row is None:
+            raise PreconditionFailed(
+                f"node {node_id} is at revision {current}, not revision {if_revision} as this request expects; "
+                f"read its labels again (`podium nodes`) and decide again"
+            )
 
     async def placement_nodes(self) -> list[asyncpg.Record]:
         async with self._conn() as conn:
             return await conn.fetch(self.q["placement_nodes"])
 
-    async def set_draining(self, node_id: str, draining: bool) -> None:
+    @_retried
+    async def set_draining(self, node_id: str, draining: bool, deadline: float | None = None) -> None:
+        """Drain (or undrain) a node; `deadline` seconds from now, what still runs there goes
+        through the node-loss policy (the watchdog's `drain_overdue`)."""
         async with self._conn() as conn:
-            row = await conn.fetchrow(self.q["set_draining"], node_id, draining)
+            row = await conn.fetchrow(self.q["set_draining"], node_id, draining, deadline)
         if row is None:
             raise NotFound(f"no node {node_id!r}")
 
@@ -831,6 +920,10 @@ class Store:
         old session, a removed node, or nothing changed)."""
         async with self._conn() as conn:
             return await conn.fetchrow(self.q["set_artifacts"], node_id, session, sorted(set(artifacts))) is not None
+
+    async def drain_overdue(self, limit: int) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(self.q["drain_overdue"], limit)
 
     # ---- security -------------------------------------------------------------------------------
 
@@ -908,6 +1001,7 @@ class Store:
         async with self._conn() as conn:
             return await conn.fetchrow(self.q["set_node_credential"], node_id, credential_hash) is not None
 
+    @_retried
     async def revoke_node(self, node_id: str) -> None:
         async with self._conn() as conn:
             if await conn.fetchrow(self.q["revoke_node"], node_id) is None:
@@ -915,10 +1009,12 @@ class Store:
 
     # ---- watchdog -------------------------------------------------------------------------------
 
+    @_retried
     async def mark_unreachable(self, after: float) -> list[str]:
         async with self._conn() as conn:
             return [r["id"] for r in await conn.fetch(self.q["mark_unreachable"], after)]
 
+    @_retried
     async def mark_offline(self, after: float) -> list[str]:
         async with self._conn() as conn:
             return [r["id"] for r in await conn.fetch(self.q["mark_offline"], after)]
@@ -935,6 +1031,7 @@ class Store:
         async with self._conn() as conn:
             return await conn.fetch(self.q["watch_cancel_grace"], grace, limit)
 
+    @_retried
     async def prune_finished(self, older_than: float, limit: int) -> int:
         """Delete up to `limit` tasks that ended more than `older_than` seconds ago, with their
         attempts, events and logs."""

@@ -159,11 +159,11 @@ WHERE $1::xid8 IS NULL OR n.changed_xid >= $1::xid8
 SELECT pg_snapshot_xmin(pg_current_snapshot())
 
 -- list_nodes --
-SELECT * FROM nodes ORDER BY name, id
+SELECT *, podium_drain_phase(id, draining) AS drain_phase FROM nodes ORDER BY name, id
 
 -- list_nodes_page --
 -- One page of nodes by (name, id) after the cursor ($1, $2); the first page passes NULLs.
-SELECT * FROM nodes
+SELECT *, podium_drain_phase(id, draining) AS drain_phase FROM nodes
 WHERE $1::text IS NULL OR (name, id) > ($1::text, $2::text)
 ORDER BY name, id
 LIMIT $3
@@ -175,14 +175,28 @@ SELECT count(*) FROM (
 
 -- nodes_by_prefix --
 -- Nodes whose id or name starts with $1, when no node has it as its whole id or name.
-SELECT * FROM nodes WHERE starts_with(id, $1) OR starts_with(name, $1) ORDER BY name, id LIMIT $2
+SELECT *, podium_drain_phase(id, draining) AS drain_phase FROM nodes
+WHERE starts_with(id, $1) OR starts_with(name, $1) ORDER BY name, id LIMIT $2
 
 -- get_node --
-SELECT * FROM nodes WHERE id = $1 OR name = $1 ORDER BY (id = $1) DESC LIMIT 2
+SELECT *, podium_drain_phase(id, draining) AS drain_phase FROM nodes
+WHERE id = $1 OR name = $1 ORDER BY (id = $1) DESC LIMIT 2
 
 -- set_draining --
-UPDATE nodes SET draining = $2, updated_at = now() WHERE id = $1
+-- A drain's deadline ($3 seconds from now by the database clock; NULL: none); undrain clears it.
+UPDATE nodes SET draining = $2, updated_at = now(), revision = revision + 1,
+    drain_deadline = CASE WHEN $2 AND $3::float8 IS NOT NULL THEN now() + make_interval(secs => $3::float8) END
+WHERE id = $1
 RETURNING id, pg_notify('podium_dispatch', '')
+
+-- drain_overdue --
+-- Tasks still on a draining node whose drain deadline has passed: the watchdog applies the
+-- node-loss policy to them. A task already being cancelled is left to the cancel's own grace.
+SELECT t.id, t.state, t.fencing_token, t.attempts, t.max_attempts, t.requeue_on_node_loss, t.cancel_reason,
+       t.node_id
+FROM nodes n JOIN tasks t ON t.node_id = n.id AND t.state IN ('assigned', 'provisioning', 'running')
+WHERE n.draining AND n.drain_deadline <= now()
+LIMIT $1
 
 -- node_outbox_pending --
 SELECT DISTINCT node_id FROM attempts
@@ -190,8 +204,13 @@ WHERE (delivered_at IS NULL AND state = 'assigned') OR (stop_requested_at IS NOT
 
 -- set_labels --
 -- An operator's labels replace the agent's from now on (labels_overridden), and wake placement.
-UPDATE nodes SET labels = $2, labels_overridden = true, updated_at = now() WHERE id = $1
-RETURNING id, pg_notify('podium_dispatch', '')
+-- $3: the revision the operator read (If-Match), or NULL for any; a stale one changes nothing.
+UPDATE nodes SET labels = $2, labels_overridden = true, updated_at = now(), revision = revision + 1
+WHERE id = $1 AND ($3::bigint IS NULL OR revision = $3::bigint)
+RETURNING id, revision, pg_notify('podium_dispatch', '')
+
+-- node_revision --
+SELECT revision FROM nodes WHERE id = $1
 
 -- set_artifacts --
 -- A node's Inventory: the image digests it holds now (placement prefers them). Only from the node's

@@ -46,15 +46,18 @@ SELECT * FROM tasks WHERE idempotency_key = $1
 -- end frees its capacity only if its release proof is already recorded, or `release` says the
 -- node-loss policy gave up on the node (then the proof says so); otherwise it stays reserved until
 -- `release_proofs`. `backend_ref` is recorded on the attempt as it moves forward (with RUNNING).
+-- `revision`, when given, is the assignment revision the caller read (If-Match): another one refuses
+-- the row too. Every accepted row bumps the task's revision.
 WITH d AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::int[],
                          $8::float8[], $9::text[], $10::text[], $11::bool[], $12::text[], $13::text[], $14::text[],
-                         $15::text[], $16::bool[])
+                         $15::text[], $16::bool[], $17::bigint[])
         AS d(id, from_state, to_state, reason, token, node, exit_code, lease, end_attempt, attempt_state, stop, actor,
-             failure_class, detail, backend_ref, release)
+             failure_class, detail, backend_ref, release, revision)
 ), t AS (
     UPDATE tasks SET
         state = d.to_state,
+        revision = tasks.revision + 1,
         reason = d.reason,
         reason_detail = d.detail,
         exit_code = CASE WHEN d.exit_code IS NULL THEN tasks.exit_code ELSE d.exit_code END,
@@ -79,6 +82,7 @@ WITH d AS (
     WHERE tasks.id = d.id AND tasks.state = d.from_state
       AND (d.token IS NULL OR tasks.fencing_token = d.token)
       AND (d.node IS NULL OR tasks.node_id = d.node)
+      AND (d.revision IS NULL OR tasks.revision = d.revision)
     RETURNING tasks.id, tasks.fencing_token, d.from_state, d.to_state, d.reason, d.exit_code, d.end_attempt,
               d.attempt_state, d.stop, d.actor, d.failure_class, d.detail, d.backend_ref, d.release
 ), ended AS (
@@ -195,7 +199,7 @@ WITH d AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[]) AS d(id, node_id, gpu_indexes)
 ), t AS (
     UPDATE tasks SET
-        state = 'assigned', reason = NULL, node_id = d.node_id,
+        state = 'assigned', reason = NULL, node_id = d.node_id, revision = tasks.revision + 1,
         fencing_token = nextval('fencing_tokens'), attempts = tasks.attempts + 1,
         -- clock_timestamp(), not now(): a transaction that was slow between its claim and this write
         -- must not hand out an assignment with its accept window already spent
