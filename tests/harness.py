@@ -115,6 +115,9 @@ class Server(Proc):
         self.port = port or free_port()
         self.grpc_port = grpc_port or free_port()
         env = base_env(**(extra_env or {}))
+        # Several servers of one test share the PostgreSQL 15 the suite uses (max_connections 100):
+        # each opens at most this many connections, so three replicas and the test itself fit.
+        env.setdefault("PODIUM_DB_CONNECTIONS", "24")
         if db_url:
             env["PODIUM_DATABASE_URL"] = db_url
         else:

@@ -58,6 +58,12 @@ class ServerConfig:
     max_lag: float = DEFAULT_MAX_LAG  # seconds of event-loop lag past which submissions are shed; 0: never
     # how often one store operation refused for contention is run again before it fails (503)
     serialization_retry_limit: int = DEFAULT_SERIALIZATION_RETRY_LIMIT
+    # the most PostgreSQL connections this server opens: its four pools share what the listeners
+    # (dispatch, gateway, events; about 5) leave, so replicas × this stays below max_connections
+    db_connections: int = 40
+
+
+LISTENER_CONNECTIONS = 5  # connections held for LISTEN (dispatch, gateway, revoked/superseded, events)
 
 
 class LoopDied(Exception):
@@ -114,7 +120,11 @@ class PodiumServer:
     async def _run(self) -> None:
         url = await self._database_url()
         retry_limit = self.cfg.serialization_retry_limit
-        store = self.store = await Store.connect(url, min_size=2, max_size=20, serialization_retry_limit=retry_limit)
+        # The pools' shares of the connection budget: API and dispatch half, node reports a quarter,
+        # heartbeats 2 and the group commits 3 (their own, so nothing queues ahead of them).
+        pools = max(8, self.cfg.db_connections - LISTENER_CONNECTIONS)
+        main_max, liveness_max = max(2, (pools - 5) * 2 // 3), max(2, (pools - 5) // 3)
+        store = self.store = await Store.connect(url, min_size=2, max_size=main_max, serialization_retry_limit=retry_limit)
         applied = await store.migrate()
         if applied:
             log.info("applied migrations: %s", ", ".join(applied))
@@ -126,7 +136,7 @@ class PodiumServer:
         resolver = ImageResolver(store, security, self.timing, resolve=self.resolve_image, server_id=self.server_id)
         # Node reports and heartbeats get a pool of their own: a burst of API traffic must never
         # make a healthy node look silent, or a prompt accept look late.
-        self.liveness_store = await Store.connect(url, min_size=2, max_size=10, serialization_retry_limit=retry_limit)
+        self.liveness_store = await Store.connect(url, min_size=2, max_size=liveness_max, serialization_retry_limit=retry_limit)
         # and heartbeats one more of their own, so no backlog of reports ever delays them; the
         # group commits of reports and the outbox takes one more, so no Hello storm delays those
         self.beats_store = await Store.connect(url, min_size=1, max_size=2, serialization_retry_limit=retry_limit)

@@ -104,6 +104,10 @@ def server(
     serialization_retry_limit: Annotated[int, typer.Option(
         envvar="PODIUM_SERIALIZATION_RETRY_LIMIT", min=0, max=1000,
         help="how often a write PostgreSQL refused for contention is retried before it fails (503)")] = 5,
+    db_connections: Annotated[int, typer.Option(
+        envvar="PODIUM_DB_CONNECTIONS", min=8, max=10_000,
+        help="the most PostgreSQL connections this server opens (its pools and listeners): keep replicas × this "
+             "below the server's max_connections")] = 40,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a server. With PODIUM_DATABASE_URL it uses that PostgreSQL; without, an embedded one."""
@@ -128,6 +132,7 @@ def server(
         host=host, port=port, grpc_host=grpc_host, grpc_port=grpc_port, placement_policy=placement,
         tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca, retention=_parse(parse_duration, retention, "--retention"),
         max_lag=_parse(parse_duration, max_lag, "--max-lag"), serialization_retry_limit=serialization_retry_limit,
+        db_connections=db_connections,
     )  # fmt: skip
 
     async def main() -> None:
