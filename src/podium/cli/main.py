@@ -308,6 +308,7 @@ def dev(
         out.print(f"[bold green]Podium is running[/] (server and one local agent, data in {escape(str(ddir))})")
         out.print(f"  Token:   an admin token is in {escape(str(token_file()))} (the CLI reads it)", soft_wrap=True)
         out.print("  Note:    no TLS — fine on loopback; give `podium server` --tls-cert/--tls-key beyond it", soft_wrap=True)
+        out.print(f"  UI:      {addr}/   (sign in with the admin token)", soft_wrap=True)
         out.print(f"  API:     {addr}   (OpenAPI: {addr}/docs)", soft_wrap=True)
         out.print(f"  Try:     PODIUM_ADDR={addr} {escape(_me())} run -- sh -c 'echo hello from podium'", soft_wrap=True)
         out.print("  Stop:    Ctrl-C")
