@@ -22,6 +22,10 @@ Driver errors are translated into these at the edge of the store, so nothing abo
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+from podium import reasons
+
 
 class PodiumError(Exception):
     """Something went wrong in Podium."""
@@ -87,20 +91,42 @@ class EmbeddedDatabaseError(PodiumError):
 
 
 class RegistryError(PodiumError):
-    """The image's registry did not resolve the tag."""
+    """The image's registry did not say which manifest the image is."""
 
-    def __init__(self, detail: str = "") -> None:
-        super().__init__(detail or None)
-        self.detail = detail  # the registry's (or the network's) own words, stored beside the reason
+    #: The constant sentence a task carries for this failure (podium.reasons).
+    reason: ClassVar[str] = reasons.REGISTRY_UNREACHABLE
+    #: True when asking again later may succeed: the task stays queued rather than failing.
+    transient: ClassVar[bool] = False
+
+    def __init__(self, registry: str, words: str) -> None:
+        self.registry = registry
+        self.words = words  # the registry's own words, stored beside the reason
+        super().__init__(f"{registry}: {words}" if registry else words)
+
+    @property
+    def detail(self) -> str:
+        """What is stored beside the reason: the registry's words, and which registry said them."""
+        return f"{self.registry}: {self.words}" if self.registry else self.words
 
 
 class RegistryUnreachable(RegistryError):
-    """The image's registry cannot be reached."""
+    """The registry could not be reached, did not answer in time, or answered that it is busy or
+    broken (5xx, 429). Nothing is known about the image: the task stays queued and is tried again."""
+
+    reason = reasons.REGISTRY_UNREACHABLE
+    transient = True
 
 
 class ImageNotFound(RegistryError):
-    """The image does not exist in its registry."""
+    """The registry answered that the repository or the tag does not exist (404, NAME_UNKNOWN,
+    MANIFEST_UNKNOWN), or refused the name itself. Asking again will not change that: the task fails."""
+
+    reason = reasons.IMAGE_NOT_FOUND
 
 
 class RegistryCredentialsRefused(RegistryError):
-    """The image's registry refused the credentials."""
+    """The registry demands credentials and refused the ones it was given (401 or 403 after
+    authenticating), or none were given for it (`podium registry login` stores them). The task fails."""
+
+    reason = reasons.REGISTRY_REFUSED
+

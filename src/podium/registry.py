@@ -30,12 +30,10 @@ import hashlib
 import ipaddress
 import json
 import re
-from typing import ClassVar
 
 import httpx
 
-from podium import reasons
-from podium.errors import PodiumError
+from podium.errors import ImageNotFound, RegistryCredentialsRefused, RegistryError, RegistryUnreachable
 from podium.images import DEFAULT_REGISTRY, ImageRef, is_digest
 
 __all__ = [
@@ -68,42 +66,6 @@ _HUB_API_HOST = "registry-1.docker.io"
 _NOT_FOUND_CODES = frozenset({"NAME_UNKNOWN", "MANIFEST_UNKNOWN", "NAME_INVALID", "TAG_INVALID"})
 _REFUSED_CODES = frozenset({"UNAUTHORIZED", "DENIED"})
 _BUSY_CODES = frozenset({"TOOMANYREQUESTS", "UNAVAILABLE"})
-
-
-class RegistryError(PodiumError):
-    """The image's registry did not say which manifest the image is."""
-
-    #: The constant sentence a task carries for this failure (podium.reasons).
-    reason: ClassVar[str] = reasons.REGISTRY_UNREACHABLE
-    #: True when asking again later may succeed: the task stays queued rather than failing.
-    transient: ClassVar[bool] = False
-
-    def __init__(self, registry: str, words: str) -> None:
-        self.registry = registry
-        self.words = words  # the registry's own words, stored beside the reason
-        super().__init__(f"{registry}: {words}")
-
-
-class RegistryUnreachable(RegistryError):
-    """The registry could not be reached, did not answer in time, or answered that it is busy or
-    broken (5xx, 429). Nothing is known about the image: the task stays queued and is tried again."""
-
-    reason = reasons.REGISTRY_UNREACHABLE
-    transient = True
-
-
-class ImageNotFound(RegistryError):
-    """The registry answered that the repository or the tag does not exist (404, NAME_UNKNOWN,
-    MANIFEST_UNKNOWN), or refused the name itself. Asking again will not change that: the task fails."""
-
-    reason = reasons.IMAGE_NOT_FOUND
-
-
-class RegistryCredentialsRefused(RegistryError):
-    """The registry demands credentials and refused the ones it was given (401 or 403 after
-    authenticating), or none were given for it (`podium registry login` stores them). The task fails."""
-
-    reason = reasons.REGISTRY_REFUSED
 
 
 def is_loopback(registry: str) -> bool:

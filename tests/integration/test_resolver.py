@@ -82,7 +82,7 @@ async def assign_sent(store: Store, node: str) -> list[dict[str, Any]]:
 async def test_an_unreachable_registry_keeps_the_task_queued_with_its_words_then_it_runs(store: Store) -> None:
     await container_node(store)
     tid = await submit(store)
-    registry = RegistryStandIn(RegistryUnreachable("dial tcp 127.0.0.1:5000: connect: connection refused"), D1)
+    registry = RegistryStandIn(RegistryUnreachable("", "dial tcp 127.0.0.1:5000: connect: connection refused"), D1)
     loop = resolver(store, registry)
 
     # not resolved yet: the dispatch claim does not even look at it
@@ -140,7 +140,7 @@ async def test_a_retag_between_attempts_changes_nothing_that_runs(store: Store) 
 async def test_an_image_that_does_not_exist_fails_the_task_with_the_registrys_words(store: Store) -> None:
     await container_node(store)
     tid = await submit(store)
-    await resolver(store, RegistryStandIn(ImageNotFound("MANIFEST_UNKNOWN: manifest unknown; tag=1.4"))).resolve_once()
+    await resolver(store, RegistryStandIn(ImageNotFound("", "MANIFEST_UNKNOWN: manifest unknown; tag=1.4"))).resolve_once()
     task, attempts, events = await store.task_detail(tid)
     assert (task["state"], task["reason"], task["reason_detail"]) == ("failed", reasons.IMAGE_NOT_FOUND,
                                                                       "MANIFEST_UNKNOWN: manifest unknown; tag=1.4")  # fmt: skip
@@ -157,7 +157,7 @@ async def test_refused_credentials_fail_the_task_and_the_stored_login_is_the_one
     await security.set_secret(REGISTRY_PREFIX + "other.example.com", json.dumps({"username": "x", "password": "y"}).encode(), "test")
     tid = await submit(store, image="registry.example.com/team/app:1.4")
     anonymous = await submit(store, image="quay.example.org/app")
-    registry = RegistryStandIn(RegistryCredentialsRefused("UNAUTHORIZED: authentication required"))
+    registry = RegistryStandIn(RegistryCredentialsRefused("", "UNAUTHORIZED: authentication required"))
     loop = ImageResolver(store, security, TIMING, resolve=registry, server_id="test")
     assert await loop.resolve_once() == 2
     assert sorted(registry.calls) == sorted([
@@ -204,7 +204,7 @@ async def test_the_backoff_doubles_up_to_its_limit(store: Store) -> None:
     assert [backoff(t, n) for n in range(7)] == [2, 4, 8, 16, 32, 60, 60]
     await container_node(store)
     tid = await submit(store)
-    loop = resolver(store, RegistryStandIn(RegistryUnreachable("503 Service Unavailable")), DEFAULT_TIMING)
+    loop = resolver(store, RegistryStandIn(RegistryUnreachable("", "503 Service Unavailable")), DEFAULT_TIMING)
     await loop.resolve_once()
     async with store.pool.acquire() as c:
         wait = await c.fetchval("SELECT extract(epoch FROM resolve_after - now()) FROM tasks WHERE id = $1", tid)

@@ -77,15 +77,8 @@ async def registry_http_client(
         ref = parse_image(image)
     except ValueError as e:
         # admission refuses malformed references; one stored before that check cannot be pulled either
-        raise ImageNotFound(str(e)) from None
-    try:
-        return await v2.resolve(ref, credentials, timeout=timeout, insecure=insecure)
-    except v2.RegistryCredentialsRefused as e:
-        raise RegistryCredentialsRefused(e.words) from None
-    except v2.ImageNotFound as e:
-        raise ImageNotFound(e.words) from None
-    except v2.RegistryError as e:
-        raise RegistryUnreachable(f"{e.registry}: {e.words}") from None
+        raise ImageNotFound(registry_of(image), str(e)) from None
+    return await v2.resolve(ref, credentials, timeout=timeout, insecure=insecure)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,12 +200,12 @@ class ImageResolver:
             log.info("image %s: %s: %s", image, type(e).__name__, e.detail)
             return _Answer(error=e)
         except TimeoutError:
-            return _Answer(error=RegistryUnreachable(f"{registry} did not answer within {RESOLVE_TIMEOUT:g}s"))
+            return _Answer(error=RegistryUnreachable(registry, f"no answer within {RESOLVE_TIMEOUT:g}s"))
         except (StoreUnavailable, asyncio.CancelledError):
             raise
         except Exception as e:  # a bug in a client must not stop the loop: the task waits, saying so
             log.exception("resolving image %s failed", image)
-            return _Answer(error=RegistryUnreachable(f"resolving the tag failed: {type(e).__name__}: {e}"))
+            return _Answer(error=RegistryUnreachable(registry, f"resolving the tag failed: {type(e).__name__}: {e}"))
         if not isinstance(digest, str) or not _DIGEST.match(digest):
-            return _Answer(error=RegistryUnreachable(f"{registry} answered with no usable digest ({str(digest)[:100]!r})"))
+            return _Answer(error=RegistryUnreachable(registry, f"answered with no usable digest ({str(digest)[:100]!r})"))
         return _Answer(digest=digest)
