@@ -778,21 +778,29 @@ def nodes(
         print(json.dumps(rows, indent=2))
         _more(listing, json_out)
         return
+    # The sandbox columns only when some node has something to say in them: a fleet of plain process
+    # nodes keeps the table narrow enough for a terminal (a cut-off cell would hide what it says).
+    extra = {
+        # capacity still held by ended attempts whose sandboxes are not proven removed yet
+        "RELEASING": lambda n: (f"{n['releasing']['slots']} ({format_cpu(n['releasing']['cpu_millis'])}, "
+                                f"{format_size(n['releasing']['memory_bytes'])})") if (n.get("releasing") or {}).get("slots") else "",
+        "BACKENDS": lambda n: ",".join(n.get("backends") or []),
+        "EGRESS": lambda n: ",".join(n.get("egress_contexts") or []),
+        "LIMITS": lambda n: "enforced" if n.get("enforces_limits") else "",
+    }
+    plain = {"BACKENDS": "process", "EGRESS": "open"}
+    shown = [c for c, cell in extra.items() if any(cell(n) not in ("", plain.get(c)) for n in rows)]
     t = _Table(box=None)
-    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAIN", "CPU", "MEMORY", "SLOTS", "RELEASING", "BACKENDS", "EGRESS", "LIMITS", "LABELS"):
+    for col in ("ID", "NAME", "HEALTH", "CONNECTED", "DRAIN", "CPU", "MEMORY", "SLOTS", *shown, "LABELS"):
         t.add_column(col)
     for n in rows:
         a, r = n["allocatable"], n["reserved"]
-        rel = n.get("releasing") or {}
         # health beside connected: a connected node is not a healthy one (a frozen agent's stream stays open)
         t.add_row(n["id"], n["name"], _health(n["health"]), "yes" if n["connected"] else "no",
                   "" if n.get("drain_phase", "active") == "active" else n.get("drain_phase", "draining"),
                   f"{format_cpu(r['cpu_millis'])}/{format_cpu(a['cpu_millis'])}",
                   f"{format_size(r['memory_bytes'])}/{format_size(a['memory_bytes'])}", f"{r['slots']}/{a['slots']}",
-                  # capacity still held by ended attempts whose sandboxes are not proven removed yet
-                  f"{rel['slots']} ({format_cpu(rel['cpu_millis'])}, {format_size(rel['memory_bytes'])})" if rel.get("slots") else "",
-                  ",".join(n.get("backends") or []), ",".join(n.get("egress_contexts") or []),
-                  "enforced" if n.get("enforces_limits") else "",
+                  *(extra[c](n) for c in shown),
                   ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())))  # fmt: skip
     out.print(t)
     _more(listing, json_out)
