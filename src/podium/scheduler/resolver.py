@@ -24,7 +24,6 @@ queued and unresolved), never resolve a task that is already pinned, and never l
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import re
 import uuid
@@ -39,6 +38,7 @@ from podium import failures, metrics, reasons
 from podium.errors import (
     ImageNotFound, RegistryCredentialsRefused, RegistryError, RegistryUnreachable, StoreUnavailable,
 )  # fmt: skip
+from podium.registry import is_loopback
 from podium.security.service import Security, registry_of
 from podium.spec import image_digest
 from podium.states import TaskState
@@ -85,17 +85,6 @@ async def registry_http_client(
 class _Answer:
     digest: str | None = None
     error: RegistryError | None = None
-
-
-def is_loopback(registry: str) -> bool:
-    """A registry on this machine's loopback, which may speak plain HTTP (Docker's own rule)."""
-    host = registry.rsplit(":", 1)[0] if not registry.startswith("[") else registry[1 : registry.find("]")]
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def backoff(timing: Timing, tries: int) -> float:
