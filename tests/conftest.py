@@ -30,6 +30,23 @@ PG15_URL = os.environ.get("PODIUM_TEST_PG15_URL", "postgresql://postgres@127.0.0
 TEMPLATE = f"podium_test_template_{os.getpid()}"
 
 
+# The suite runs on two pytest-xdist workers (scripts/test). Each worker is its own session, with its
+# own embedded PostgreSQL and its own template. Tests that use the container engine share one worker,
+# so the engine (a podman service and its test image) is started once; the tests that run three
+# replicas against PostgreSQL 15 share another, so two of them never hold more than its 100
+# connections between them.
+_ENGINE_FIXTURES = {"engine"}
+_REPLICA_FILES = {"test_replicas.py", "test_database_faults.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("engine"))
+        elif item.path.name in _REPLICA_FILES:
+            item.add_marker(pytest.mark.xdist_group("replicas"))
+
+
 def _with_db(url: str, db: str) -> str:
     base, _, rest = url.partition("?")
     head, _, _old = base.rpartition("/")
