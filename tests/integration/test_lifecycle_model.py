@@ -43,7 +43,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from podium import reasons
+from podium import protocol, reasons
 from podium.errors import NotFound
 from podium.scheduler import policy
 from podium.scheduler.service import Scheduler, facts
@@ -287,7 +287,7 @@ class Report:
     other: int  # which older attempt / which other node
 
     def __repr__(self) -> str:
-        code = f"({self.code})" if self.kind == policy.EXITED else ""
+        code = f"({self.code})" if self.kind == protocol.EXITED else ""
         return f"Report(#{self.task}, {self.kind}{code}, signed={self.signer}/{self.other})"
 
 
@@ -378,7 +378,7 @@ def _deadlines(task: dict[str, Any]) -> list[str]:
 
 
 # what a node reports, weighted towards the ones that move a task forward
-KINDS = (policy.PROVISIONING,) * 2 + (policy.RUNNING,) * 3 + (policy.EXITED,) * 2 + (policy.FAILED_RETRYABLE, policy.NOT_RUNNING)
+KINDS = (protocol.PROVISIONING,) * 2 + (protocol.RUNNING,) * 3 + (protocol.EXITED,) * 2 + (protocol.FAILED_RETRYABLE, protocol.NOT_RUNNING)
 # how a report is signed: the task's current token from its own node (most of the time), an older
 # token of the task, a token that never existed, or the current token from a node that does not hold it
 SIGNERS = ("current",) * 6 + ("stale", "bogus", "wrong_node")
@@ -551,7 +551,7 @@ class Model:
             others = [n for n in self.nodes if n != node]
             node = others[a.other % len(others)]
         f = facts(row)
-        step = policy.on_node_event(f, a.kind, a.code if a.kind == policy.EXITED else None, T)
+        step = policy.on_node_event(f, a.kind, a.code if a.kind == protocol.EXITED else None, T)
         done = self.run(self.sched.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node))
         after = self.world()
         if a.signer != "current" or row["node_id"] is None:
@@ -703,7 +703,7 @@ class Model:
             if row["fencing_token"] != token or row["node_id"] != node:
                 return f"{kind} refused (stale)"
             f = facts(row)
-            step = policy.on_node_event(f, kind, code if kind == policy.EXITED else None, T)
+            step = policy.on_node_event(f, kind, code if kind == protocol.EXITED else None, T)
             if step is None:
                 return f"{kind}: nothing to do in {f.state}"
             if await sched.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node):

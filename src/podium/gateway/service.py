@@ -22,10 +22,11 @@ from typing import Any
 
 import grpc
 
-from podium import __version__, metrics
+from podium import metrics, protocol, reasons
 from podium.errors import Forbidden, NotFound, StoreUnavailable, Unauthorized
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
+from podium.protocol import FINAL_KINDS, PROTOCOL_MAX, PROTOCOL_MIN, fence_after, handover_after
 from podium.scheduler import policy
 from podium.scheduler.service import Scheduler, facts
 from podium.security.secretbox import SecretUnreadable
@@ -33,12 +34,9 @@ from podium.security.service import SecretMissing, Security
 from podium.states import TaskState
 from podium.store import Change, Store
 from podium.timing import Timing
-from podium import reasons
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_MIN = 1
-PROTOCOL_MAX = 1
 LOG_FLUSH_SECONDS = 0.05
 PERSIST_FOR = 30.0  # seconds a node's report is retried against an unavailable database
 EVENT_BATCH = 1000  # node reports applied in one transaction (one commit) at most
@@ -59,7 +57,7 @@ class Pending:
 
     @property
     def final(self) -> bool:
-        return self.kind in (policy.EXITED, policy.NOT_RUNNING, policy.FAILED_RETRYABLE)
+        return self.kind in FINAL_KINDS
 
 
 @dataclass(eq=False)
@@ -112,7 +110,6 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         # before any that came after it, and a flush that returns has stored all received before it.
         self._flush_lock = asyncio.Lock()
         self._listen_conn = None
-        self.events_rejected = 0
         # sessions with reports waiting, in the order they are served (round robin)
         self._event_sessions: dict[Session, None] = {}
         self._events_ready = asyncio.Event()
@@ -122,13 +119,8 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         # release proofs received and not yet recorded: (task, token, node, backend ref, released at)
         self._proofs: list[tuple[uuid.UUID, int, str, str, float]] = []
         self._proofs_ready = asyncio.Event()
-        # A node stops its attempts itself this long after its last acknowledged heartbeat: two
-        # heartbeats before the server may declare it offline and give its work away.
-        self.fence_after = max(timing.offline_after - 2 * timing.heartbeat, timing.offline_after / 2)
-        # After another instance takes a node over, the attempts it does not report stay the node's
-        # this long past the old instance's last recorded heartbeat: its own fence deadline (which runs
-        # from when it *sent* that heartbeat, earlier) plus a heartbeat for the fence keeper to act.
-        self.handover_after = self.fence_after + timing.heartbeat
+        self.fence_after = fence_after(timing)
+        self.handover_after = handover_after(timing)
 
     # ---- loops ---------------------------------------------------------------------------------
 
@@ -599,7 +591,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 phase = reported[(str(r["id"]), r["fencing_token"])].phase if (str(r["id"]), r["fencing_token"]) in reported else ""
                 if phase in ("provisioning", "running"):
                     # events sent on the old stream may have been lost with it: catch up from the report
-                    for kind in (policy.PROVISIONING, policy.RUNNING)[: 1 if phase == "provisioning" else 2]:
+                    for kind in (protocol.PROVISIONING, protocol.RUNNING)[: 1 if phase == "provisioning" else 2]:
                         row = await self.store.get_task(r["id"])
                         f = facts(row)
                         await self.scheduler.apply(r["id"], f.state, policy.on_node_event(f, kind, None, self.timing),
@@ -766,11 +758,11 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 continue
             f = facts(row)
             step = policy.on_node_event(
-                f, p.kind, ev.exit_code if p.kind == policy.EXITED else None, self.timing,
+                f, p.kind, ev.exit_code if p.kind == protocol.EXITED else None, self.timing,
                 failure_class=ev.failure_class, message=ev.message,
             )  # fmt: skip
             if step is None:
-                if p.kind == policy.PROVISIONING and f.state in _ACCEPTED:
+                if p.kind == protocol.PROVISIONING and f.state in _ACCEPTED:
                     self._accepted(s, ev.task_id, ev.fencing_token)  # a repeat: it was recorded
                 metrics.NODE_REPORTS.labels("settled").inc()
                 self._answer(s, p, applied=False)
@@ -802,7 +794,6 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self._put_back(again)
 
     def _reject(self, s: Session, p: Pending, row: Any) -> None:
-        self.events_rejected += 1
         metrics.NODE_REPORTS.labels("rejected").inc()
         ev = p.event
         log.warning(
@@ -816,7 +807,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
     def _answer(self, s: Session, p: Pending, *, applied: bool) -> None:
         """What the node hears once its report is settled: Accepted when its provisioning was just
         recorded (it may start the attempt), and an Ack for every end (it may forget it)."""
-        if applied and p.kind == policy.PROVISIONING:
+        if applied and p.kind == protocol.PROVISIONING:
             self._accepted(s, p.event.task_id, p.event.fencing_token)
         if p.final:
             s.send(pb.ServerMessage(ack=pb.Ack(task_id=p.event.task_id, fencing_token=p.event.fencing_token)))
@@ -843,6 +834,3 @@ def _check_hello(h: pb.Hello) -> str | None:
         return "capacity values must be non-negative"
     return None
 
-
-def server_version() -> str:
-    return __version__

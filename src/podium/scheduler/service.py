@@ -116,7 +116,6 @@ class Scheduler:
         self.actor = f"scheduler:{server_id}"
         self._wake = asyncio.Event()
         self._listen_conn: asyncpg.Connection | None = None
-        self.placed_total = 0
         # What placement knows of the connected nodes between ticks, and the snapshot horizon of the
         # read that brought it up to date (None: read them all next time).
         self._snaps: dict[str, NodeSnapshot] = {}
@@ -173,7 +172,6 @@ class Scheduler:
             return DispatchOutcome(window_full=True)
         with metrics.DISPATCH_SECONDS.time():
             outcome = await self._dispatch(limit)
-        self.placed_total += len(outcome.assigned)
         metrics.PLACEMENTS.inc(len(outcome.assigned))
         outcome.limit = limit
         return outcome
