@@ -17,11 +17,12 @@ import pytest
 
 from podium import reasons
 from podium.gateway.service import Gateway, Session
+from podium.scheduler.apply import Applier
 from podium.security.secretbox import SecretBox
 from podium.security.service import Security
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, place, scheduler, submit
+from tests.integration.helpers import add_node, place, submit
 
 
 async def _eventually(cond: Any, timeout: float = 30.0, what: str = "condition") -> Any:
@@ -37,7 +38,7 @@ async def _eventually(cond: Any, timeout: float = 30.0, what: str = "condition")
 @contextlib.asynccontextmanager
 async def delivering(store: Store, security: Security) -> AsyncIterator[tuple[Gateway, Session]]:
     """A gateway running its delivery loop for one node "n1" whose stream is `Session`."""
-    gw = Gateway(store, scheduler(store), DEFAULT_TIMING, server_id="test", security=security)
+    gw = Gateway(store, Applier(store, actor="gateway:test"), DEFAULT_TIMING, server_id="test", security=security)
     s = Session("n1", 1)
     gw.sessions["n1"] = s
     loop = asyncio.create_task(gw.deliver_loop())

@@ -46,7 +46,8 @@ from hypothesis import strategies as st
 from podium import protocol, reasons
 from podium.errors import NotFound
 from podium.scheduler import policy
-from podium.scheduler.service import Scheduler, facts
+from podium.scheduler.apply import facts
+from podium.scheduler.service import Scheduler
 from podium.spec import TaskSpec
 from podium.states import ALLOWED, ATTEMPT_LIVE, ON_NODE, TERMINAL, TaskState
 from podium.store import Store

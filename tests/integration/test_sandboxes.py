@@ -16,7 +16,8 @@ import pytest
 
 from podium import failures, protocol, reasons
 from podium.scheduler import policy
-from podium.scheduler.service import Scheduler, facts
+from podium.scheduler.apply import facts
+from podium.scheduler.service import Scheduler
 from podium.spec import TaskSpec
 from podium.states import TaskState
 from podium.store import Change, Store

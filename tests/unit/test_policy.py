@@ -183,3 +183,20 @@ def test_only_a_node_known_gone_releases_a_sandbox_without_its_proof() -> None:
         assert step is not None and not step.release
     # an Assign that never left the server (its secret is gone) left nothing on the node to prove removed
     assert policy.on_undeliverable(f(S.ASSIGNED), policy.SECRET_GONE).release  # type: ignore[union-attr]
+
+
+def test_what_the_watchdog_finds_lost_goes_through_the_node_loss_policy() -> None:
+    for why, reason in (("offline", reasons.NODE_LOST), ("revoked", reasons.NODE_REVOKED), ("lease", reasons.LEASE_EXPIRED)):
+        s = policy.on_lost(f(S.RUNNING, max_attempts=2), why)
+        assert s and s.to == S.QUEUED and s.reason == reason and s.end_attempt == AttemptState.LOST
+    # on no node and holding no lease: nothing a node did; the invariant's own failure
+    for why in (None, "something else"):
+        s = policy.on_lost(f(S.RUNNING, max_attempts=2), why)
+        assert s and s.to == S.FAILED and s.reason == reasons.NO_LEASE and s.failure_class == failures.INTERNAL
+
+
+def test_an_image_the_registry_refuses_fails_only_a_queued_task() -> None:
+    s = policy.on_image_unresolvable(f(S.QUEUED), reasons.IMAGE_NOT_FOUND, "manifest unknown")
+    assert s and s.to == S.FAILED and s.reason == reasons.IMAGE_NOT_FOUND and s.failure_class == failures.PROVISIONING
+    assert s.detail == "manifest unknown" and s.end_attempt is None
+    assert policy.on_image_unresolvable(f(S.CANCELLED), reasons.REGISTRY_REFUSED, None) is None

@@ -28,7 +28,7 @@ from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.protocol import FINAL_KINDS, PROTOCOL_MAX, PROTOCOL_MIN, fence_after, handover_after
 from podium.scheduler import policy
-from podium.scheduler.service import Scheduler, facts
+from podium.scheduler.apply import Applier, change, facts
 from podium.security.secretbox import SecretUnreadable
 from podium.security.service import SecretMissing, Security
 from podium.states import TaskState
@@ -82,7 +82,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
     def __init__(
         self,
         store: Store,
-        scheduler: Scheduler,
+        applier: Applier,
         timing: Timing,
         *,
         server_id: str,
@@ -99,7 +99,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self.reports_store = reports_store or store
         self.security = security
         self._revoked_conn = None  # also hears podium_superseded
-        self.scheduler = scheduler
+        self.applier = applier
         self.timing = timing
         self.server_id = server_id
         self.sessions: dict[str, Session] = {}
@@ -399,7 +399,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         meanwhile (the caller tries the whole delivery again)."""
         step = policy.on_undeliverable(policy.TaskFacts(state=TaskState.ASSIGNED), problem)
         try:
-            done = await self.scheduler.apply(r["task_id"], TaskState.ASSIGNED, step, fencing_token=r["fencing_token"])
+            done = await self.applier.apply(r["task_id"], TaskState.ASSIGNED, step, fencing_token=r["fencing_token"])
             if done is not None and step is not None:
                 await self.store.audit(
                     f"gateway:{self.server_id}", "task.undeliverable", str(r["task_id"]),
@@ -594,7 +594,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                     for kind in (protocol.PROVISIONING, protocol.RUNNING)[: 1 if phase == "provisioning" else 2]:
                         row = await self.store.get_task(r["id"])
                         f = facts(row)
-                        await self.scheduler.apply(r["id"], f.state, policy.on_node_event(f, kind, None, self.timing),
+                        await self.applier.apply(r["id"], f.state, policy.on_node_event(f, kind, None, self.timing),
                                                    actor=f"node:{s.node_id}", fencing_token=r["fencing_token"], node_id=s.node_id)
                     row = await self.store.get_task(r["id"])
                     if row["state"] in _ACCEPTED and row["fencing_token"] == r["fencing_token"]:
@@ -621,7 +621,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             row = await self.store.get_task(r["id"])
             f = facts(row)
             step = policy.on_node_loss(f, reasons.NODE_FORGOT)
-            await self.scheduler.apply(
+            await self.applier.apply(
                 r["id"], f.state, step, actor=f"node:{s.node_id}", fencing_token=r["fencing_token"], node_id=s.node_id
             )
         await self.store.redeliver(redeliver)
@@ -767,12 +767,9 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 metrics.NODE_REPORTS.labels("settled").inc()
                 self._answer(s, p, applied=False)
                 continue
-            changes.append(Change(
-                p.task_id, f.state, step.to, actor=f"node:{s.node_id}", reason=step.reason,
-                fencing_token=ev.fencing_token, node_id=s.node_id, exit_code=step.exit_code,
-                lease_seconds=step.lease_seconds, end_attempt=step.end_attempt,
-                attempt_state=step.attempt_state, stop=step.stop, failure_class=step.failure_class,
-                detail=step.detail, backend_ref=ev.backend_ref or None, release=step.release,
+            changes.append(change(
+                p.task_id, f.state, step, actor=f"node:{s.node_id}", fencing_token=ev.fencing_token, node_id=s.node_id,
+                backend_ref=ev.backend_ref,
             ))  # fmt: skip
             planned.append((s, p))
         results = await self.reports_store.transition_many(changes) if changes else []

@@ -201,10 +201,31 @@ def on_undeliverable(task: TaskFacts, problem: str) -> Step | None:
                 release=True)  # fmt: skip
 
 
+def on_image_unresolvable(task: TaskFacts, reason: str, words: str | None) -> Step | None:
+    """The image's registry answered that there is no such image, or refused the credentials (the
+    error's `reason`, its words beside it): asking again will not change that, so the queued task fails."""
+    if task.state != TaskState.QUEUED:
+        return None
+    return Step(TaskState.FAILED, reason, failure_class=failures.PROVISIONING, detail=failures.detail(words))
+
+
 def on_invariant_broken() -> Step:
     """A task on a node-state with no node or no token: nothing a node or operator did; fail it."""
     return Step(TaskState.FAILED, reasons.NO_LEASE, end_attempt=AttemptState.LOST, stop=True, failure_class=failures.INTERNAL)
 
+
+#: Why the watchdog found a task on a node it can no longer count on, as the store names it.
+_LOST_WHY = {"offline": reasons.NODE_LOST, "revoked": reasons.NODE_REVOKED, "lease": reasons.LEASE_EXPIRED}
+
+
+def on_lost(task: TaskFacts, why: str | None) -> Step | None:
+    """The watchdog found the task's node offline or removed, or its lease expired: the node-loss
+    policy. With no such cause (`why` None) the task is on a node-state with no node and no lease: an
+    invariant broken somewhere."""
+    reason = _LOST_WHY.get(why) if why is not None else None
+    if reason is None:
+        return on_invariant_broken()
+    return on_node_loss(task, reason)
 
 
 def _stopped(

@@ -1,5 +1,5 @@
 """`Store` is the only code that runs queries. Every task state change goes through
-`transition_task` (or `transition_many` for a batch): one compare-and-set statement with an explicit
+`transition` (or `transition_many` for a batch): one compare-and-set statement with an explicit
 `from` per task; the dispatch batch is the same compare-and-set applied to many rows at once.
 
 This module must never decide policy (which node, requeue or lose): callers decide, the store makes
@@ -117,7 +117,7 @@ class Transition:
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """One compare-and-set to make: `Store.transition_task`'s arguments as a value, for batches."""
+    """One compare-and-set to make: `Store.transition`'s argument; a batch of them for `transition_many`."""
 
     task_id: uuid.UUID
     from_: TaskState | str
@@ -376,6 +376,25 @@ class Store:
         )
 
     @_retried
+    async def transition(self, change: Change) -> Transition | None:
+        """Make one change (one compare-and-set), or do nothing and return None.
+
+        `fencing_token` and `node_id` are given when a node is the actor: a stale token or another
+        node's task is rejected like a wrong `from`. `end_attempt` closes the current attempt with that
+        state and frees its capacity; `attempt_state` moves it forward instead. `lease_seconds` sets the
+        lease from the database clock (negative: no lease of its own, held by node health). `stop`
+        asks the node to stop the attempt. `failure_class` and `detail` are written with an end, in the
+        same statement; a container attempt's end frees its capacity only with a recorded release
+        proof, or with `release` (the node-loss policy gave up on its node). `revision` (If-Match)
+        refuses the change unless the task is still at that assignment revision; every accepted
+        change bumps it.
+        """
+        async with self._conn() as c:
+            row = await c.fetchrow(self.q["transition_tasks"], *_columns([change]))
+        if row is None:
+            return None
+        return Transition(row["id"], row["fencing_token"], row["attempt_node"])
+
     async def transition_task(
         self,
         task_id: uuid.UUID,
@@ -396,34 +415,14 @@ class Store:
         backend_ref: str | None = None,
         release: bool = False,
         revision: int | None = None,
-        conn: asyncpg.Connection | None = None,
     ) -> Transition | None:
-        """Move a task from `from_` to `to`, or do nothing and return None.
-
-        `fencing_token` and `node_id` are given when a node is the actor: a stale token or another
-        node's task is rejected like a wrong `from`. `end_attempt` closes the current attempt with that
-        state and frees its capacity; `attempt_state` moves it forward instead. `lease_seconds` sets the
-        lease from the database clock (negative: no lease of its own, held by node health). `stop`
-        asks the node to stop the attempt. `failure_class` and `detail` are written with an end, in the
-        same statement; a container attempt's end frees its capacity only with a recorded release
-        proof, or with `release` (the node-loss policy gave up on its node). `revision` (If-Match) refuses the change unless
-        the task is still at that assignment revision; every accepted change bumps it.
-        """
-        change = Change(
+        """`transition` with the change's fields as arguments."""
+        return await self.transition(Change(
             task_id, from_, to, actor=actor, reason=reason, fencing_token=fencing_token, node_id=node_id,
             exit_code=exit_code, lease_seconds=lease_seconds, end_attempt=end_attempt,
             attempt_state=attempt_state, stop=stop, failure_class=failure_class, detail=detail,
             backend_ref=backend_ref, release=release, revision=revision,
-        )  # fmt: skip
-        cols = _columns([change])
-        if conn is not None:
-            row = await conn.fetchrow(self.q["transition_tasks"], *cols)
-        else:
-            async with self._conn() as c:
-                row = await c.fetchrow(self.q["transition_tasks"], *cols)
-        if row is None:
-            return None
-        return Transition(row["id"], row["fencing_token"], row["attempt_node"])
+        ))  # fmt: skip
 
     @_retried
     async def transition_many(self, changes: Sequence[Change]) -> list[Transition | None]:
