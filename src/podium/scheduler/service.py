@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from podium import reasons
-from podium.errors import NotFound, PreconditionFailed
+from podium.errors import Contention, PreconditionFailed
 from podium.placement import NodeSnapshot, NodeVerdict, Resources, explain
 from podium.scheduler import policy
 from podium.scheduler.apply import Applier, facts
@@ -136,4 +136,5 @@ class Scheduler:
                 return row  # already ended or already being cancelled: nothing to do
             if await self.applier.apply(task_id, f.state, step, actor=actor, fencing_token=row["fencing_token"], revision=if_revision):
                 return await self.store.get_task(task_id)
-        raise NotFound(f"task {task_id} kept changing state; try again")
+        # the task kept moving between the read and the compare-and-set: contention, not a missing task
+        raise Contention(f"task {task_id} kept changing state while it was being cancelled; nothing was written, try again")

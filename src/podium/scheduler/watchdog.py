@@ -18,7 +18,6 @@ from podium.errors import StoreUnavailable
 from podium.scheduler import policy
 from podium.scheduler.apply import Applier, facts
 from podium.store import Store
-from podium.store.db import CONNECTION_ERRORS
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -49,8 +48,6 @@ class Watchdog:
                         log.info("pruned %d tasks finished more than %.0fs ago", pruned, self.retention)
             except StoreUnavailable as e:
                 log.warning("watchdog: %s; retrying", e)
-            except CONNECTION_ERRORS as e:
-                log.warning("watchdog: lost the database (%s); retrying", e)
             await asyncio.sleep(self.timing.watchdog)
 
     async def sweep(self) -> None:

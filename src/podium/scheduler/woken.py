@@ -9,13 +9,11 @@ memory, so running one again is always safe.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 from podium.errors import StoreUnavailable
-from podium.store import Store
-from podium.store.db import CONNECTION_ERRORS
+from podium.store import Store, Subscription
 
 log = logging.getLogger(__name__)
 
@@ -31,21 +29,31 @@ class WokenLoop:
         self.channel = channel
         self.tick = tick
         self.run_pass = run_pass
-        self._wake = asyncio.Event()
-        self._conn = None
-
-    def wake(self) -> None:
-        self._wake.set()
+        self._sub: Subscription | None = None
 
     async def _listen(self) -> None:
-        if self._conn is None or self._conn.is_closed():
-            self._conn = await self.store.listen(self.channel, lambda _payload: self._wake.set())
+        if self._sub is None or self._sub.closed:
+            self._sub = await self.store.listen(self.channel)
 
     async def _drop(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                await conn.close()
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            await sub.close()
+
+    async def _woken(self) -> None:
+        """Until a notification (every one heard meanwhile counts as the same wake-up) or the tick."""
+        sub = self._sub
+        if sub is None:
+            await asyncio.sleep(self.tick)  # not listening (the store is down): the tick only
+            return
+        try:
+            await asyncio.wait_for(sub.get(), timeout=self.tick)
+        except TimeoutError:
+            return
+        except StoreUnavailable:
+            await self._drop()  # the next pass listens again
+            return
+        sub.drain()
 
     async def run(self) -> None:
         while True:
@@ -56,16 +64,11 @@ class WokenLoop:
             except StoreUnavailable as e:
                 log.warning("%s: %s; retrying", self.name, e)
                 await self._drop()
-            except CONNECTION_ERRORS as e:
-                log.warning("%s: lost the database (%s); retrying", self.name, e)
-                await self._drop()
             if again is not None:
                 if again > 0:
                     await asyncio.sleep(again)
                 continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.tick)
-            self._wake.clear()
+            await self._woken()
 
     async def close(self) -> None:
         await self._drop()
