@@ -17,15 +17,17 @@ from typing import Any
 from podium.scheduler.policy import Step, TaskFacts
 from podium.states import TaskState
 from podium.store import Change, Store, Transition
+from podium.store.rows import TaskFactsRow
 
 log = logging.getLogger(__name__)
 
 
-def facts(row: Mapping[str, Any]) -> TaskFacts:
-    """What the policy needs to know about a task, from the task's row as the store returns it."""
+def facts(row: TaskFactsRow | Mapping[str, Any]) -> TaskFacts:
+    """What the policy needs to know about a task, from the task's row as the store returns it (a
+    column a query does not return keeps the default)."""
     get = row.get
     return TaskFacts(
-        state=TaskState(get("state")),
+        state=TaskState(row["state"]),
         attempts=get("attempts", 1) or 0,
         max_attempts=get("max_attempts", 1) or 1,
         requeue_on_node_loss=bool(get("requeue_on_node_loss", True)),
