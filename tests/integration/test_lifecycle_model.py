@@ -553,7 +553,7 @@ class Model:
             node = others[a.other % len(others)]
         f = facts(row)
         step = policy.on_node_event(f, a.kind, a.code if a.kind == protocol.EXITED else None, T)
-        done = self.run(self.sched.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node))
+        done = self.run(self.sched.applier.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node))
         after = self.world()
         if a.signer != "current" or row["node_id"] is None:
             assert done is None, f"{a!r} (token {token} from {node}) was accepted on a {f.state} task"
@@ -622,7 +622,7 @@ class Model:
                 continue
             f = facts(self.run(self.store.get_task(r["id"])))
             step = policy.on_node_loss(f, reasons.NODE_FORGOT)
-            done = self.run(self.sched.apply(r["id"], f.state, step, actor=f"node:{nid}",
+            done = self.run(self.sched.applier.apply(r["id"], f.state, step, actor=f"node:{nid}",
                                              fencing_token=r["fencing_token"], node_id=nid))  # fmt: skip
             assert (done is not None) == (step is not None), f"NODE_FORGOT on a {f.state} task: step {step}, result {done}"
         return nid
@@ -707,7 +707,7 @@ class Model:
             step = policy.on_node_event(f, kind, code if kind == protocol.EXITED else None, T)
             if step is None:
                 return f"{kind}: nothing to do in {f.state}"
-            if await sched.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node):
+            if await sched.applier.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node):
                 return f"{kind}: {f.state} → {step.to}"
         return f"{kind}: lost five races"
 
@@ -720,7 +720,7 @@ class Model:
                 await self.store.redeliver([r["fencing_token"]])
                 continue
             f = facts(await self.store.get_task(r["id"]))
-            await sched.apply(r["id"], f.state, policy.on_node_loss(f, reasons.NODE_FORGOT), actor=f"node:{nid}",
+            await sched.applier.apply(r["id"], f.state, policy.on_node_loss(f, reasons.NODE_FORGOT), actor=f"node:{nid}",
                               fencing_token=r["fencing_token"], node_id=nid)  # fmt: skip
         return f"{nid} back"
 

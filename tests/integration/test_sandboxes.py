@@ -125,7 +125,7 @@ async def _internal(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
 async def _timeout(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
     sched = scheduler(store)
     row = await store.get_task(tid)
-    assert await sched.apply(tid, S.RUNNING, policy.on_cancel(facts(row), reasons.TIMEOUT), fencing_token=tok)
+    assert await sched.applier.apply(tid, S.RUNNING, policy.on_cancel(facts(row), reasons.TIMEOUT), fencing_token=tok)
     assert await report(store, tid, node, tok, protocol.EXITED, 143)
 
 
@@ -308,7 +308,7 @@ async def test_the_node_loss_policy_releases_without_a_proof_and_says_so(store: 
     sched = scheduler(store)
     # a lease that expired on a node that still talks: its container may still be there
     row = await store.get_task(expired)
-    assert await sched.apply(expired, S.RUNNING, policy.on_node_loss(facts(row), reasons.LEASE_EXPIRED), fencing_token=tok_exp)
+    assert await sched.applier.apply(expired, S.RUNNING, policy.on_node_loss(facts(row), reasons.LEASE_EXPIRED), fencing_token=tok_exp)
     assert await slots(store, "n1") == 3 and await releasing(store, "n1") == 2
 
     # the node goes offline: what ran there is lost, and everything it held is released

@@ -57,21 +57,6 @@ class Scheduler:
     async def sweep(self) -> None:
         await self.watchdog.sweep()
 
-    async def apply(
-        self,
-        task_id: uuid.UUID,
-        from_: TaskState,
-        step: Step | None,
-        *,
-        actor: str | None = None,
-        fencing_token: int | None = None,
-        node_id: str | None = None,
-        revision: int | None = None,
-    ) -> Transition | None:
-        return await self.applier.apply(
-            task_id, from_, step, actor=actor, fencing_token=fencing_token, node_id=node_id, revision=revision
-        )
-
     # ---- operator actions ---------------------------------------------------------------------
 
     async def explain(

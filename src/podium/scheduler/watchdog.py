@@ -18,6 +18,7 @@ from podium.errors import StoreUnavailable
 from podium.scheduler import policy
 from podium.scheduler.apply import Applier, facts
 from podium.store import Store
+from podium.store.rows import TaskFactsRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,7 @@ class Watchdog:
         # Attempts a node's new agent instance did not report, once the instance it superseded has
         # certainly stopped them (its fence deadline passed): only now may they run elsewhere.
         for row in await self.store.handover_due(SWEEP_LIMIT):
-            f = facts(row)
-            done = await self.applier.apply(row["id"], f.state, policy.on_node_loss(f, reasons.INSTANCE_REPLACED), fencing_token=row["fencing_token"])
-            if done is not None:
-                await self.store.node_event(
-                    row["node_id"], "handover", f"task {row['id']} (attempt token {row['fencing_token']}): {reasons.INSTANCE_REPLACED}",
-                    {"task": str(row["id"]), "fencing_token": row["fencing_token"]},
-                )  # fmt: skip
+            await self._node_loss(row, reasons.INSTANCE_REPLACED, "handover")
         await self.store.handover_done()
 
         # Container attempts that ended on a node the node-loss policy has now given up on will never
@@ -88,13 +83,7 @@ class Watchdog:
         # (requeued if the spec allows it and attempts remain, else lost; docs/decisions.md), each a
         # compare-and-set from the state and attempt just read.
         for row in await self.store.drain_overdue(SWEEP_LIMIT):
-            f = facts(row)
-            done = await self.applier.apply(row["id"], f.state, policy.on_node_loss(f, reasons.DRAIN_DEADLINE), fencing_token=row["fencing_token"])
-            if done is not None:
-                await self.store.node_event(
-                    row["node_id"], "drain", f"task {row['id']} (attempt token {row['fencing_token']}): {reasons.DRAIN_DEADLINE}",
-                    {"task": str(row["id"]), "fencing_token": row["fencing_token"]},
-                )  # fmt: skip
+            await self._node_loss(row, reasons.DRAIN_DEADLINE, "drain")
 
         for row in await self.store.overdue_accepts(SWEEP_LIMIT):
             f = facts(row)
@@ -107,3 +96,14 @@ class Watchdog:
         for row in await self.store.cancel_grace_expired(t.cancel_grace, SWEEP_LIMIT):
             f = facts(row)
             await self.applier.apply(row["id"], f.state, policy.on_cancel_grace(f), fencing_token=row["fencing_token"])
+
+    async def _node_loss(self, row: TaskFactsRow, reason: str, kind: str) -> None:
+        """The node-loss policy for a task still on its node, and, if it took, a node event of `kind`
+        saying which attempt went and why."""
+        f = facts(row)
+        done = await self.applier.apply(row.id, f.state, policy.on_node_loss(f, reason), fencing_token=row.fencing_token)
+        if done is not None and row.node_id is not None:
+            await self.store.node_event(
+                row.node_id, kind, f"task {row.id} (attempt token {row.fencing_token}): {reason}",
+                {"task": str(row.id), "fencing_token": row.fencing_token},
+            )
