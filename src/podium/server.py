@@ -26,6 +26,7 @@ from podium.api.ui import close as close_ui
 from podium.pressure import DEFAULT_MAX_LAG, Pressure
 from podium.gateway.service import Gateway
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
+from podium.scheduler.apply import Applier
 from podium.scheduler.resolver import ImageResolver, ResolveImage, registry_http_client
 from podium.scheduler.service import Scheduler
 from podium.security.secretbox import SecretBox, load_key
@@ -141,11 +142,10 @@ class PodiumServer:
         # group commits of reports and the outbox takes one more, so no Hello storm delays those
         self.beats_store = await Store.connect(url, min_size=1, max_size=2, serialization_retry_limit=retry_limit)
         self.reports_store = await Store.connect(url, min_size=2, max_size=3, serialization_retry_limit=retry_limit)
-        gateway_scheduler = Scheduler(
-            self.liveness_store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy
-        )
+        # the gateway applies the policy's decisions on reports through the same applier the loops use,
+        # over its own pool
         gateway = Gateway(
-            self.liveness_store, gateway_scheduler, self.timing, server_id=self.server_id,
+            self.liveness_store, Applier(self.liveness_store, actor=f"gateway:{self.server_id}"), self.timing, server_id=self.server_id,
             security=Security(self.liveness_store, security.box), beats_store=self.beats_store,
             reports_store=self.reports_store,
         )  # fmt: skip

@@ -18,12 +18,13 @@ import psutil
 
 from podium import reasons
 from podium.cli.main import EXIT_BUSY, EXIT_REFUSED, EXIT_SUPERSEDED
+from podium.protocol import fence_after
 from podium.timing import timing_from_env
 from tests.acceptance.conftest import Cluster
 from tests.harness import Agent, assert_at_most_one_attempt_at_once, base_env, cli, free_port, pid_alive, wait_for
 
 T = timing_from_env({"PODIUM_TEST_FAST_TIMERS": "1"})
-FENCE_AFTER = T.offline_after - 2 * T.heartbeat  # what the server tells agents (Welcome.fence_after_seconds)
+FENCE_AFTER = fence_after(T)  # what the server tells agents (Welcome.fence_after_seconds)
 NOISE = ("Task was destroyed but it is pending", "aclose(): asynchronous generator is already running", "Traceback")
 
 

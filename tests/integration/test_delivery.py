@@ -16,12 +16,14 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from podium import reasons
-from podium.gateway.service import Gateway, Session
+from podium.gateway.service import Gateway
+from podium.gateway.sessions import Session
+from podium.scheduler.apply import Applier
 from podium.security.secretbox import SecretBox
 from podium.security.service import Security
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, place, scheduler, submit
+from tests.integration.helpers import add_node, place, submit
 
 
 async def _eventually(cond: Any, timeout: float = 30.0, what: str = "condition") -> Any:
@@ -37,11 +39,11 @@ async def _eventually(cond: Any, timeout: float = 30.0, what: str = "condition")
 @contextlib.asynccontextmanager
 async def delivering(store: Store, security: Security) -> AsyncIterator[tuple[Gateway, Session]]:
     """A gateway running its delivery loop for one node "n1" whose stream is `Session`."""
-    gw = Gateway(store, scheduler(store), DEFAULT_TIMING, server_id="test", security=security)
+    gw = Gateway(store, Applier(store, actor="gateway:test"), DEFAULT_TIMING, server_id="test", security=security)
     s = Session("n1", 1)
     gw.sessions["n1"] = s
-    loop = asyncio.create_task(gw.deliver_loop())
-    gw._schedule_sync("n1")
+    loop = asyncio.create_task(gw.outbox.deliver_loop())
+    gw.outbox.due("n1")
     try:
         yield gw, s
     finally:
@@ -77,7 +79,7 @@ async def test_a_secret_sealed_with_another_key_is_told_as_undecryptable_not_mis
     ours, theirs = SecretBox(os.urandom(32)), SecretBox(os.urandom(32))
     await Security(store, theirs).set_secret("db", b"hunter2", "test")  # a replica with another key
     tid = await assigned_task(store, secrets=[{"name": "db", "env": "DB"}])
-    with caplog.at_level(logging.ERROR, logger="podium.gateway.service"):
+    with caplog.at_level(logging.ERROR, logger="podium.gateway.outbox"):
         async with delivering(store, Security(store, ours)) as (_gw, s):
             t = await _eventually(lambda: _ended(store, tid), what="the task to end")
     assert (t["state"], t["reason"]) == ("failed", reasons.SECRET_UNREADABLE)
@@ -188,7 +190,7 @@ async def test_a_store_outage_while_reading_secrets_retries_and_neither_fails_no
         await Security(store, box).set_secret("db", b"v4lue", "test")
         tid = await assigned_task(store, secrets=[{"name": "db", "env": "DB"}])
         await proxy.cut()
-        with caplog.at_level(logging.WARNING, logger="podium.gateway.service"):
+        with caplog.at_level(logging.WARNING, logger="podium.gateway.outbox"):
             async with delivering(store, Security(secrets_store, box)) as (_gw, s):
 
                 async def tried_twice() -> bool:

@@ -121,13 +121,13 @@ async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_ch
 
     sched = scheduler(store)
     seen: list[set[str]] = []
-    decide = sched.decide
+    decide = sched.dispatcher.decide
 
     def counting(tasks, changed, horizon):  # type: ignore[no-untyped-def]
         seen.append({r["id"] for r in changed})
         return decide(tasks, changed, horizon)
 
-    sched.decide = counting  # type: ignore[method-assign]
+    sched.dispatcher.decide = counting  # type: ignore[method-assign]
     await add_node(store, "n1", slots=1)
     await add_node(store, "n2", slots=1)
     t1, t2, t3 = [await submit(store) for _ in range(3)]

@@ -43,10 +43,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from podium import reasons
-from podium.errors import NotFound
+from podium import protocol, reasons
+from podium.errors import Contention
 from podium.scheduler import policy
-from podium.scheduler.service import Scheduler, facts
+from podium.scheduler.apply import facts
+from podium.scheduler.service import Scheduler
 from podium.spec import TaskSpec
 from podium.states import ALLOWED, ATTEMPT_LIVE, ON_NODE, TERMINAL, TaskState
 from podium.store import Store
@@ -287,7 +288,7 @@ class Report:
     other: int  # which older attempt / which other node
 
     def __repr__(self) -> str:
-        code = f"({self.code})" if self.kind == policy.EXITED else ""
+        code = f"({self.code})" if self.kind == protocol.EXITED else ""
         return f"Report(#{self.task}, {self.kind}{code}, signed={self.signer}/{self.other})"
 
 
@@ -378,7 +379,7 @@ def _deadlines(task: dict[str, Any]) -> list[str]:
 
 
 # what a node reports, weighted towards the ones that move a task forward
-KINDS = (policy.PROVISIONING,) * 2 + (policy.RUNNING,) * 3 + (policy.EXITED,) * 2 + (policy.FAILED_RETRYABLE, policy.NOT_RUNNING)
+KINDS = (protocol.PROVISIONING,) * 2 + (protocol.RUNNING,) * 3 + (protocol.EXITED,) * 2 + (protocol.FAILED_RETRYABLE, protocol.NOT_RUNNING)
 # how a report is signed: the task's current token from its own node (most of the time), an older
 # token of the task, a token that never existed, or the current token from a node that does not hold it
 SIGNERS = ("current",) * 6 + ("stale", "bogus", "wrong_node")
@@ -551,8 +552,8 @@ class Model:
             others = [n for n in self.nodes if n != node]
             node = others[a.other % len(others)]
         f = facts(row)
-        step = policy.on_node_event(f, a.kind, a.code if a.kind == policy.EXITED else None, T)
-        done = self.run(self.sched.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node))
+        step = policy.on_node_event(f, a.kind, a.code if a.kind == protocol.EXITED else None, T)
+        done = self.run(self.sched.applier.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node))
         after = self.world()
         if a.signer != "current" or row["node_id"] is None:
             assert done is None, f"{a!r} (token {token} from {node}) was accepted on a {f.state} task"
@@ -621,7 +622,7 @@ class Model:
                 continue
             f = facts(self.run(self.store.get_task(r["id"])))
             step = policy.on_node_loss(f, reasons.NODE_FORGOT)
-            done = self.run(self.sched.apply(r["id"], f.state, step, actor=f"node:{nid}",
+            done = self.run(self.sched.applier.apply(r["id"], f.state, step, actor=f"node:{nid}",
                                              fencing_token=r["fencing_token"], node_id=nid))  # fmt: skip
             assert (done is not None) == (step is not None), f"NODE_FORGOT on a {f.state} task: step {step}, result {done}"
         return nid
@@ -657,8 +658,8 @@ class Model:
 
         results = self.run(both())
         for r in results:
-            if isinstance(r, NotFound) and "kept changing state" in str(r):
-                continue  # an operator's cancel that lost ten races in a row says so: allowed
+            if isinstance(r, Contention) and "kept changing state" in str(r):
+                continue  # an operator's cancel that lost ten races in a row says so (a 503): allowed
             if isinstance(r, BaseException):
                 raise r
         return " ∥ ".join(self._said(r) for r in results)
@@ -703,10 +704,10 @@ class Model:
             if row["fencing_token"] != token or row["node_id"] != node:
                 return f"{kind} refused (stale)"
             f = facts(row)
-            step = policy.on_node_event(f, kind, code if kind == policy.EXITED else None, T)
+            step = policy.on_node_event(f, kind, code if kind == protocol.EXITED else None, T)
             if step is None:
                 return f"{kind}: nothing to do in {f.state}"
-            if await sched.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node):
+            if await sched.applier.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node):
                 return f"{kind}: {f.state} → {step.to}"
         return f"{kind}: lost five races"
 
@@ -719,7 +720,7 @@ class Model:
                 await self.store.redeliver([r["fencing_token"]])
                 continue
             f = facts(await self.store.get_task(r["id"]))
-            await sched.apply(r["id"], f.state, policy.on_node_loss(f, reasons.NODE_FORGOT), actor=f"node:{nid}",
+            await sched.applier.apply(r["id"], f.state, policy.on_node_loss(f, reasons.NODE_FORGOT), actor=f"node:{nid}",
                               fencing_token=r["fencing_token"], node_id=nid)  # fmt: skip
         return f"{nid} back"
 

@@ -114,7 +114,7 @@ async def test_an_unreachable_registry_keeps_the_task_queued_with_its_words_then
 
 async def test_a_retag_between_attempts_changes_nothing_that_runs(store: Store) -> None:
     from podium.scheduler import policy
-    from podium.scheduler.service import facts
+    from podium.scheduler.apply import facts
     from podium.states import TaskState
 
     await container_node(store)

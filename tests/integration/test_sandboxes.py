@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from podium import failures, reasons
+from podium import failures, protocol, reasons
 from podium.scheduler import policy
-from podium.scheduler.service import Scheduler, facts
+from podium.scheduler.apply import facts
+from podium.scheduler.service import Scheduler
 from podium.spec import TaskSpec
 from podium.states import TaskState
 from podium.store import Change, Store
@@ -84,8 +85,8 @@ async def report(store: Store, tid: uuid.UUID, node: str, token: int, kind: str,
 
 async def running(store: Store, tid: uuid.UUID, ref: str = "") -> tuple[str, int]:
     node, tok = await placed(store, tid)
-    assert await report(store, tid, node, tok, policy.PROVISIONING)
-    assert await report(store, tid, node, tok, policy.RUNNING, backend_ref=ref)
+    assert await report(store, tid, node, tok, protocol.PROVISIONING)
+    assert await report(store, tid, node, tok, protocol.RUNNING, backend_ref=ref)
     return node, tok
 
 
@@ -105,32 +106,32 @@ async def slots(store: Store, node: str) -> int:
 
 
 async def _exit_nonzero(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
-    assert await report(store, tid, node, tok, policy.EXITED, 3, message="Traceback: boom")
+    assert await report(store, tid, node, tok, protocol.EXITED, 3, message="Traceback: boom")
 
 
 async def _oom(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
-    assert await report(store, tid, node, tok, policy.EXITED, 137, failure_class="oom", message="OOMKilled: true")
+    assert await report(store, tid, node, tok, protocol.EXITED, 137, failure_class="oom", message="OOMKilled: true")
 
 
 async def _provisioning(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
-    assert await report(store, tid, node, tok, policy.FAILED_RETRYABLE, failure_class="provisioning",
+    assert await report(store, tid, node, tok, protocol.FAILED_RETRYABLE, failure_class="provisioning",
                         message="pull access denied")  # fmt: skip
 
 
 async def _internal(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
-    assert await report(store, tid, node, tok, policy.FAILED_RETRYABLE, message="disk full")
+    assert await report(store, tid, node, tok, protocol.FAILED_RETRYABLE, message="disk full")
 
 
 async def _timeout(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
     sched = scheduler(store)
     row = await store.get_task(tid)
-    assert await sched.apply(tid, S.RUNNING, policy.on_cancel(facts(row), reasons.TIMEOUT), fencing_token=tok)
-    assert await report(store, tid, node, tok, policy.EXITED, 143)
+    assert await sched.applier.apply(tid, S.RUNNING, policy.on_cancel(facts(row), reasons.TIMEOUT), fencing_token=tok)
+    assert await report(store, tid, node, tok, protocol.EXITED, 143)
 
 
 async def _cancel(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
     await scheduler(store).cancel(tid, actor="operator")
-    assert await report(store, tid, node, tok, policy.EXITED, 143)
+    assert await report(store, tid, node, tok, protocol.EXITED, 143)
 
 
 async def _node_lost(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
@@ -139,7 +140,7 @@ async def _node_lost(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
 
 
 async def _node_forgot(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
-    assert await report(store, tid, node, tok, policy.NOT_RUNNING)
+    assert await report(store, tid, node, tok, protocol.NOT_RUNNING)
 
 
 PATHS = [
@@ -186,7 +187,7 @@ async def test_accept_deadline_and_success_classes(store: Store) -> None:
 
     ok = await submit(store)
     node, tok = await running(store, ok)
-    assert await report(store, ok, node, tok, policy.EXITED, 0)
+    assert await report(store, ok, node, tok, protocol.EXITED, 0)
     (a,) = await attempts(store, ok)
     assert (a["state"], a["failure_class"], a["exit_code"]) == ("exited", None, 0)
     assert (await last_event(store, ok))["failure_class"] is None
@@ -203,8 +204,8 @@ async def test_a_refused_end_writes_no_class(store: Store) -> None:
     tid = await submit(store)
     node, tok = await running(store, tid)
     other = "n2" if node == "n1" else "n1"
-    assert not await report(store, tid, node, tok - 1, policy.EXITED, 137, failure_class="oom", message="stale")
-    assert not await report(store, tid, other, tok, policy.EXITED, 137, failure_class="oom", message="foreign")
+    assert not await report(store, tid, node, tok - 1, protocol.EXITED, 137, failure_class="oom", message="stale")
+    assert not await report(store, tid, other, tok, protocol.EXITED, 137, failure_class="oom", message="foreign")
     (a,) = await attempts(store, tid)
     assert (a["state"], a["failure_class"], a["failure_detail"]) == ("running", None, None)
     assert (await store.get_task(tid))["state"] == "running"
@@ -230,7 +231,7 @@ async def test_a_container_keeps_its_capacity_after_its_end_until_the_node_prove
     other = "n2" if node == "n1" else "n1"
     (a,) = await attempts(store, tid)
     assert (a["backend_kind"], a["backend_ref"]) == ("container", "c0ffee")
-    assert await report(store, tid, node, tok, policy.EXITED, 0)
+    assert await report(store, tid, node, tok, protocol.EXITED, 0)
     (a,) = await attempts(store, tid)
     assert (await store.get_task(tid))["state"] == "succeeded" and a["finished_at"] is not None
     # an exit report alone frees nothing: the node shows the slot as releasing
@@ -268,7 +269,7 @@ async def test_a_proof_before_the_end_releases_with_the_end(store: Store) -> Non
     node, tok = await running(store, tid, ref="abc")
     assert await proof(store, tid, tok, node, "abc") == [(tid, tok, False)]
     assert await slots(store, node) == 1 and not (await attempts(store, tid))[0]["released"]
-    assert await report(store, tid, node, tok, policy.EXITED, 1)
+    assert await report(store, tid, node, tok, protocol.EXITED, 1)
     (a,) = await attempts(store, tid)
     assert a["released"] and a["failure_class"] == "exit" and await slots(store, node) == 0
 
@@ -280,12 +281,12 @@ async def test_a_proof_racing_the_end_frees_the_capacity_exactly_once(store: Sto
     out = await scheduler(store).dispatch_once()
     for tid, node, tok in out.assigned:
         where[tid] = (node, tok)
-        assert await report(store, tid, node, tok, policy.PROVISIONING)
-        assert await report(store, tid, node, tok, policy.RUNNING, backend_ref=f"c-{tok}")
+        assert await report(store, tid, node, tok, protocol.PROVISIONING)
+        assert await report(store, tid, node, tok, protocol.RUNNING, backend_ref=f"c-{tok}")
     assert set(where) == set(ids) and await slots(store, "n1") == 6
     await asyncio.gather(*(
         coro for tid, (node, tok) in where.items()
-        for coro in (report(store, tid, node, tok, policy.EXITED, 0), proof(store, tid, tok, node, f"c-{tok}"),
+        for coro in (report(store, tid, node, tok, protocol.EXITED, 0), proof(store, tid, tok, node, f"c-{tok}"),
                      proof(store, tid, tok, node, f"c-{tok}"))
     ))  # fmt: skip
     n = await node_row(store, "n1")
@@ -303,11 +304,11 @@ async def test_the_node_loss_policy_releases_without_a_proof_and_says_so(store: 
     n_ended, tok_ended = await running(store, ended, ref="c1")
     n_lost, tok_lost = await running(store, lost, ref="c2")
     n_exp, tok_exp = await running(store, expired, ref="c3")
-    assert await report(store, ended, n_ended, tok_ended, policy.EXITED, 0)
+    assert await report(store, ended, n_ended, tok_ended, protocol.EXITED, 0)
     sched = scheduler(store)
     # a lease that expired on a node that still talks: its container may still be there
     row = await store.get_task(expired)
-    assert await sched.apply(expired, S.RUNNING, policy.on_node_loss(facts(row), reasons.LEASE_EXPIRED), fencing_token=tok_exp)
+    assert await sched.applier.apply(expired, S.RUNNING, policy.on_node_loss(facts(row), reasons.LEASE_EXPIRED), fencing_token=tok_exp)
     assert await slots(store, "n1") == 3 and await releasing(store, "n1") == 2
 
     # the node goes offline: what ran there is lost, and everything it held is released
@@ -334,7 +335,7 @@ async def test_a_removed_nodes_sandboxes_are_released_with_the_removal(store: St
     live = await submit(store, container=True, max_attempts=1)
     n1, tok1 = await running(store, done, ref="a")
     await running(store, live, ref="b")
-    assert await report(store, done, n1, tok1, policy.EXITED, 0)
+    assert await report(store, done, n1, tok1, protocol.EXITED, 0)
     await store.revoke_node("n1")
     sched = scheduler(store)
     await sched.node_removed("n1")
@@ -359,7 +360,7 @@ async def test_a_node_that_never_got_the_attempt_proves_it_by_saying_so(store: S
 
     ran = await submit(store, container=True, max_attempts=1)
     node, tok = await running(store, ran, ref="c9")
-    assert await report(store, ran, node, tok, policy.EXITED, 0)
+    assert await report(store, ran, node, tok, protocol.EXITED, 0)
     assert await proof(store, ran, tok, node, "") == []  # it ran a container: the proof must name it
     assert await slots(store, node) == 1
 
@@ -369,7 +370,7 @@ async def test_a_process_attempt_is_released_with_its_end(store: Store) -> None:
     tid = await submit(store)
     node, tok = await running(store, tid, ref="4242")
     assert (await attempts(store, tid))[0]["backend_ref"] == "4242"
-    assert await report(store, tid, node, tok, policy.EXITED, 0)
+    assert await report(store, tid, node, tok, protocol.EXITED, 0)
     (a,) = await attempts(store, tid)
     assert a["released"] and a["release_proof"] is None and await slots(store, node) == 0
     assert await proof(store, tid, tok, node, "4242") == []  # nothing to prove for a process
@@ -381,7 +382,7 @@ async def test_a_retried_container_task_waits_for_its_old_sandbox_on_a_full_node
     await add_node(store, "n1", slots=1)
     tid = await submit(store, container=True, max_attempts=2)
     node, tok = await running(store, tid, ref="first")
-    assert await report(store, tid, node, tok, policy.FAILED_RETRYABLE, failure_class="provisioning", message="create failed")
+    assert await report(store, tid, node, tok, protocol.FAILED_RETRYABLE, failure_class="provisioning", message="create failed")
     assert (await store.get_task(tid))["state"] == "queued"
     out = await scheduler(store).dispatch_once()
     assert out.assigned == [] and out.unplaced == {tid: reasons.FULL}
@@ -439,7 +440,7 @@ async def test_pruning_keeps_a_task_whose_sandbox_still_holds_capacity(store: St
     freed = await submit(store, container=True)
     for tid, ref in ((held, "h"), (freed, "f")):
         node, tok = await running(store, tid, ref=ref)
-        assert await report(store, tid, node, tok, policy.EXITED, 0)
+        assert await report(store, tid, node, tok, protocol.EXITED, 0)
     assert await proof(store, freed, (await store.get_task(freed))["fencing_token"], "n1", "f")
     async with store.pool.acquire() as c:
         await c.execute("UPDATE tasks SET finished_at = now() - interval '30 days'")

@@ -2,9 +2,9 @@
 
 import pytest
 
-from podium import reasons
+from podium import protocol, reasons
 from podium.scheduler import policy
-from podium.scheduler.policy import NO_LEASE, TaskFacts
+from podium.scheduler.policy import HELD_BY_NODE_HEALTH, TaskFacts
 from podium.states import ALLOWED, AttemptState, TaskState
 from podium.timing import DEFAULT_TIMING
 
@@ -17,31 +17,31 @@ def f(state: TaskState, **kw: object) -> TaskFacts:
 
 
 def test_provisioning_then_running_set_the_leases() -> None:
-    s = policy.on_node_event(f(S.ASSIGNED), policy.PROVISIONING, None, T)
+    s = policy.on_node_event(f(S.ASSIGNED), protocol.PROVISIONING, None, T)
     assert s and s.to == S.PROVISIONING and s.lease_seconds == T.lease_ttl
-    s = policy.on_node_event(f(S.PROVISIONING, timeout=100.0), policy.RUNNING, None, T)
+    s = policy.on_node_event(f(S.PROVISIONING, timeout=100.0), protocol.RUNNING, None, T)
     assert s and s.to == S.RUNNING and s.lease_seconds == 100 + T.lease_grace
-    s = policy.on_node_event(f(S.PROVISIONING), policy.RUNNING, None, T)
-    assert s and s.lease_seconds == NO_LEASE
+    s = policy.on_node_event(f(S.PROVISIONING), protocol.RUNNING, None, T)
+    assert s and s.lease_seconds == HELD_BY_NODE_HEALTH
 
 
 def test_exit_codes() -> None:
-    ok = policy.on_node_event(f(S.RUNNING), policy.EXITED, 0, T)
+    ok = policy.on_node_event(f(S.RUNNING), protocol.EXITED, 0, T)
     assert ok and ok.to == S.SUCCEEDED and ok.end_attempt == AttemptState.EXITED and ok.exit_code == 0
-    bad = policy.on_node_event(f(S.RUNNING), policy.EXITED, 3, T)
+    bad = policy.on_node_event(f(S.RUNNING), protocol.EXITED, 3, T)
     assert bad and bad.to == S.FAILED and bad.exit_code == 3 and bad.reason == reasons.EXITED_NONZERO
 
 
 def test_an_exit_while_cancelling_is_a_cancel_or_a_timeout() -> None:
-    c = policy.on_node_event(f(S.CANCELLING, cancel_reason=reasons.CANCELLED), policy.EXITED, 143, T)
+    c = policy.on_node_event(f(S.CANCELLING, cancel_reason=reasons.CANCELLED), protocol.EXITED, 143, T)
     assert c and c.to == S.CANCELLED
-    t = policy.on_node_event(f(S.CANCELLING, cancel_reason=reasons.TIMEOUT), policy.EXITED, 143, T)
+    t = policy.on_node_event(f(S.CANCELLING, cancel_reason=reasons.TIMEOUT), protocol.EXITED, 143, T)
     assert t and t.to == S.FAILED and t.reason == reasons.TIMEOUT
 
 
 def test_late_events_change_nothing_after_the_end() -> None:
     for st in (S.SUCCEEDED, S.FAILED, S.CANCELLED, S.LOST, S.QUEUED):
-        for kind in (policy.PROVISIONING, policy.RUNNING, policy.EXITED, policy.FAILED_RETRYABLE):
+        for kind in (protocol.PROVISIONING, protocol.RUNNING, protocol.EXITED, protocol.FAILED_RETRYABLE):
             assert policy.on_node_event(f(st), kind, 0, T) is None
 
 
@@ -94,12 +94,12 @@ def test_only_a_missing_secret_is_told_as_missing() -> None:
 
 def test_every_step_any_decider_returns_is_an_allowed_transition() -> None:
     deciders = [
-        lambda x: policy.on_node_event(x, policy.PROVISIONING, None, T),
-        lambda x: policy.on_node_event(x, policy.RUNNING, None, T),
-        lambda x: policy.on_node_event(x, policy.EXITED, 0, T),
-        lambda x: policy.on_node_event(x, policy.EXITED, 1, T),
-        lambda x: policy.on_node_event(x, policy.NOT_RUNNING, None, T),
-        lambda x: policy.on_node_event(x, policy.FAILED_RETRYABLE, None, T),
+        lambda x: policy.on_node_event(x, protocol.PROVISIONING, None, T),
+        lambda x: policy.on_node_event(x, protocol.RUNNING, None, T),
+        lambda x: policy.on_node_event(x, protocol.EXITED, 0, T),
+        lambda x: policy.on_node_event(x, protocol.EXITED, 1, T),
+        lambda x: policy.on_node_event(x, protocol.NOT_RUNNING, None, T),
+        lambda x: policy.on_node_event(x, protocol.FAILED_RETRYABLE, None, T),
         lambda x: policy.on_node_loss(x, reasons.NODE_LOST),
         policy.on_accept_overdue,
         policy.on_cancel,
@@ -125,31 +125,31 @@ from podium import failures  # noqa: E402
 @pytest.mark.parametrize(
     "state,decide,to,cls,reason",
     [
-        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 3, T), S.FAILED, failures.EXIT, reasons.EXITED_NONZERO),
-        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 0, T), S.SUCCEEDED, None, None),
-        (S.CANCELLING, lambda x: policy.on_node_event(f(S.CANCELLING, cancel_reason=reasons.TIMEOUT), policy.EXITED, 143, T),
+        (S.RUNNING, lambda x: policy.on_node_event(x, protocol.EXITED, 3, T), S.FAILED, failures.EXIT, reasons.EXITED_NONZERO),
+        (S.RUNNING, lambda x: policy.on_node_event(x, protocol.EXITED, 0, T), S.SUCCEEDED, None, None),
+        (S.CANCELLING, lambda x: policy.on_node_event(f(S.CANCELLING, cancel_reason=reasons.TIMEOUT), protocol.EXITED, 143, T),
          S.FAILED, failures.TIMEOUT, reasons.TIMEOUT),
-        (S.CANCELLING, lambda x: policy.on_node_event(x, policy.EXITED, 143, T), S.CANCELLED, failures.CANCELLED, reasons.CANCELLED),
+        (S.CANCELLING, lambda x: policy.on_node_event(x, protocol.EXITED, 143, T), S.CANCELLED, failures.CANCELLED, reasons.CANCELLED),
         (S.CANCELLING, policy.on_cancel_grace, S.CANCELLED, failures.CANCELLED, reasons.CANCELLED),
         (S.QUEUED, policy.on_cancel, S.CANCELLED, failures.CANCELLED, reasons.CANCELLED),
         (S.RUNNING, lambda x: policy.on_node_loss(x, reasons.NODE_LOST), S.QUEUED, failures.NODE_LOST, reasons.NODE_LOST),
-        (S.RUNNING, lambda x: policy.on_node_event(x, policy.NOT_RUNNING, None, T), S.QUEUED, failures.NODE_LOST,
+        (S.RUNNING, lambda x: policy.on_node_event(x, protocol.NOT_RUNNING, None, T), S.QUEUED, failures.NODE_LOST,
          reasons.NODE_FORGOT),
         (S.ASSIGNED, policy.on_accept_overdue, S.QUEUED, failures.NOT_ACCEPTED, reasons.NOT_ACCEPTED),
-        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 137, T, failure_class="oom"), S.FAILED, failures.OOM,
+        (S.RUNNING, lambda x: policy.on_node_event(x, protocol.EXITED, 137, T, failure_class="oom"), S.FAILED, failures.OOM,
          reasons.OOM),
-        (S.PROVISIONING, lambda x: policy.on_node_event(x, policy.FAILED_RETRYABLE, None, T, failure_class="provisioning"),
+        (S.PROVISIONING, lambda x: policy.on_node_event(x, protocol.FAILED_RETRYABLE, None, T, failure_class="provisioning"),
          S.QUEUED, failures.PROVISIONING, reasons.PROVISIONING_FAILED),
-        (S.PROVISIONING, lambda x: policy.on_node_event(x, policy.EXITED, 1, T, failure_class="provisioning"),
+        (S.PROVISIONING, lambda x: policy.on_node_event(x, protocol.EXITED, 1, T, failure_class="provisioning"),
          S.FAILED, failures.PROVISIONING, reasons.PROVISIONING_FAILED),
-        (S.RUNNING, lambda x: policy.on_node_event(x, policy.FAILED_RETRYABLE, None, T), S.QUEUED, failures.INTERNAL,
+        (S.RUNNING, lambda x: policy.on_node_event(x, protocol.FAILED_RETRYABLE, None, T), S.QUEUED, failures.INTERNAL,
          reasons.RETRYABLE_ERROR),
-        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 1, T, failure_class="internal"), S.FAILED,
+        (S.RUNNING, lambda x: policy.on_node_event(x, protocol.EXITED, 1, T, failure_class="internal"), S.FAILED,
          failures.INTERNAL, reasons.NODE_ERROR),
         # a node may not call its own end a timeout or a node loss, nor a class this server does not know
-        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 1, T, failure_class="timeout"), S.FAILED,
+        (S.RUNNING, lambda x: policy.on_node_event(x, protocol.EXITED, 1, T, failure_class="timeout"), S.FAILED,
          failures.INTERNAL, reasons.NODE_ERROR),
-        (S.RUNNING, lambda x: policy.on_node_event(x, policy.EXITED, 1, T, failure_class="cosmic-ray"), S.FAILED,
+        (S.RUNNING, lambda x: policy.on_node_event(x, protocol.EXITED, 1, T, failure_class="cosmic-ray"), S.FAILED,
          failures.INTERNAL, reasons.NODE_ERROR),
         (S.RUNNING, lambda x: policy.on_invariant_broken(), S.FAILED, failures.INTERNAL, reasons.NO_LEASE),
         (S.ASSIGNED, lambda x: policy.on_undeliverable(x, policy.SECRET_GONE), S.FAILED, failures.PROVISIONING, reasons.SECRET_MISSING),
@@ -161,11 +161,11 @@ def test_each_end_carries_its_class(state: TaskState, decide, to: TaskState, cls
 
 
 def test_the_nodes_words_go_beside_the_reason() -> None:
-    s = policy.on_node_event(f(S.RUNNING), policy.EXITED, 137, T, failure_class="oom", message=" OOMKilled: memory limit 64MiB ")
+    s = policy.on_node_event(f(S.RUNNING), protocol.EXITED, 137, T, failure_class="oom", message=" OOMKilled: memory limit 64MiB ")
     assert s and s.reason == reasons.OOM and s.detail == "OOMKilled: memory limit 64MiB"
-    long = policy.on_node_event(f(S.RUNNING), policy.FAILED_RETRYABLE, None, T, message="x" * 10_000)
+    long = policy.on_node_event(f(S.RUNNING), protocol.FAILED_RETRYABLE, None, T, message="x" * 10_000)
     assert long and long.detail is not None and len(long.detail) == failures.DETAIL_LIMIT
-    assert policy.on_node_event(f(S.RUNNING), policy.EXITED, 2, T, message="").detail is None  # type: ignore[union-attr]
+    assert policy.on_node_event(f(S.RUNNING), protocol.EXITED, 2, T, message="").detail is None  # type: ignore[union-attr]
 
 
 def test_only_a_node_known_gone_releases_a_sandbox_without_its_proof() -> None:
@@ -178,8 +178,25 @@ def test_only_a_node_known_gone_releases_a_sandbox_without_its_proof() -> None:
         assert s and s.release is release, why
         c = policy.on_node_loss(f(S.CANCELLING, cancel_reason=reasons.CANCELLED), why)
         assert c and c.release is release and c.failure_class == failures.CANCELLED, why
-    for step in (policy.on_node_event(f(S.RUNNING), policy.EXITED, 0, T), policy.on_accept_overdue(f(S.ASSIGNED)),
+    for step in (policy.on_node_event(f(S.RUNNING), protocol.EXITED, 0, T), policy.on_accept_overdue(f(S.ASSIGNED)),
                  policy.on_cancel_grace(f(S.CANCELLING))):  # fmt: skip
         assert step is not None and not step.release
     # an Assign that never left the server (its secret is gone) left nothing on the node to prove removed
     assert policy.on_undeliverable(f(S.ASSIGNED), policy.SECRET_GONE).release  # type: ignore[union-attr]
+
+
+def test_what_the_watchdog_finds_lost_goes_through_the_node_loss_policy() -> None:
+    for why, reason in (("offline", reasons.NODE_LOST), ("revoked", reasons.NODE_REVOKED), ("lease", reasons.LEASE_EXPIRED)):
+        s = policy.on_lost(f(S.RUNNING, max_attempts=2), why)
+        assert s and s.to == S.QUEUED and s.reason == reason and s.end_attempt == AttemptState.LOST
+    # on no node and holding no lease: nothing a node did; the invariant's own failure
+    for why in (None, "something else"):
+        s = policy.on_lost(f(S.RUNNING, max_attempts=2), why)
+        assert s and s.to == S.FAILED and s.reason == reasons.NO_LEASE and s.failure_class == failures.INTERNAL
+
+
+def test_an_image_the_registry_refuses_fails_only_a_queued_task() -> None:
+    s = policy.on_image_unresolvable(f(S.QUEUED), reasons.IMAGE_NOT_FOUND, "manifest unknown")
+    assert s and s.to == S.FAILED and s.reason == reasons.IMAGE_NOT_FOUND and s.failure_class == failures.PROVISIONING
+    assert s.detail == "manifest unknown" and s.end_attempt is None
+    assert policy.on_image_unresolvable(f(S.CANCELLED), reasons.REGISTRY_REFUSED, None) is None

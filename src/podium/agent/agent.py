@@ -44,6 +44,7 @@ from podium.agent.backends.base import (
 )
 from podium.agent.backends.process import ProcessBackend
 from podium.agent.fence import FenceKeeper
+from podium.protocol import FINAL_KINDS, PROTOCOL_MAX, PROTOCOL_MIN, fence_after
 from podium.security.masking import Masker
 from podium.security.secretbox import write_private
 from podium.proto.podium.v1 import agent_pb2 as pb
@@ -53,6 +54,7 @@ from podium.timing import Timing
 log = logging.getLogger(__name__)
 
 K = pb.TaskEvent.Kind
+_FINAL = frozenset(K.Value(name) for name in FINAL_KINDS)  # the reports kept until acknowledged
 MAX_BUFFERED = 100_000  # messages kept while no server is reachable; the oldest logs go first
 MAX_UNACKED_LOG_BYTES = 64 * 2**20  # per attempt: output kept until a server has stored it
 BACKOFF_MIN = 0.2
@@ -155,7 +157,7 @@ class Agent:
         self._buffer: deque[pb.AgentMessage] = deque()  # what waits for a stream
         self.connected = asyncio.Event()
         self.workdir = config.state_dir / "tasks"
-        self.fence_after = timing.offline_after - 2 * timing.heartbeat
+        self.fence_after = fence_after(timing)  # until a Welcome says otherwise
         self._beats_sent: dict[int, float] = {}  # heartbeat seq → when it was sent (monotonic)
         self.backends: dict[str, Backend] = {}
         for kind in dict.fromkeys(config.backends or ["process"]):
@@ -202,7 +204,7 @@ class Agent:
     ) -> None:
         ev = pb.TaskEvent(task_id=a.task_id, fencing_token=a.token, kind=kind, exit_code=exit_code, message=message,
                           failure_class=failure_class, backend_ref=backend_ref)  # fmt: skip
-        if kind in (K.EXITED, K.FAILED_RETRYABLE, K.NOT_RUNNING):
+        if kind in _FINAL:
             a.final = ev
             a.phase = "exited"
         self._send(pb.AgentMessage(event=ev))
@@ -384,7 +386,7 @@ class Agent:
             capabilities=c.capabilities, artifacts=self._artifacts(),
             egress_contexts=sorted({e for fp in self.fingerprints.values() if fp.available for e in fp.egress}),
             enforces_limits=any(fp.available and fp.enforces_limits for fp in self.fingerprints.values()),
-            protocol_min=1, protocol_max=1, gpu_indexes=c.gpu_indexes, agent_version=__version__,
+            protocol_min=PROTOCOL_MIN, protocol_max=PROTOCOL_MAX, gpu_indexes=c.gpu_indexes, agent_version=__version__,
             instance_id=self.instance_id,
             tasks=[pb.RunningTask(task_id=a.task_id, fencing_token=a.token, phase=a.phase)
                    for a in self.attempts.values()],
@@ -433,7 +435,7 @@ class Agent:
                     outq.put_nowait(pb.AgentMessage(released=proof))
                 while self._buffer:
                     msg = self._buffer.popleft()
-                    if msg.HasField("event") and msg.event.kind in (K.EXITED, K.FAILED_RETRYABLE, K.NOT_RUNNING):
+                    if msg.HasField("event") and msg.event.kind in _FINAL:
                         continue  # already re-sent above from the attempt itself
                     if msg.HasField("log") or msg.HasField("released"):
                         continue  # re-sent above from the attempt's unacknowledged output, or the proofs kept

@@ -25,7 +25,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
-import asyncpg
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
@@ -33,7 +32,7 @@ from podium.api.models import ErrorOut
 from podium.errors import InvalidRequest, StoreUnavailable
 from podium.security.tokens import Role
 from podium.states import TERMINAL, TaskState
-from podium.store import Store
+from podium.store import Store, Subscription
 from podium.store.ui import Cursor, UiStore
 
 log = logging.getLogger(__name__)
@@ -68,7 +67,7 @@ class EventHub:
         self.start: Cursor | None = None  # the buffer holds every event after this
         self.head: Cursor | None = None  # the last event read
         self._keys: list[tuple[int, int]] = []
-        self._rows: list[asyncpg.Record] = []
+        self._rows: list[Any] = []
         self._changed = asyncio.Event()  # replaced at every change; clients wait on the current one
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -98,7 +97,7 @@ class EventHub:
         self._wake.set()
 
     async def _run(self) -> None:
-        conn: asyncpg.Connection | None = None
+        conn: Subscription | None = None
         try:
             while not self.closed:
                 try:
@@ -155,12 +154,12 @@ class EventHub:
     def covers(self, c: Cursor) -> bool:
         return self.start is not None and _key(c) >= _key(self.start)
 
-    def after(self, c: Cursor) -> list[asyncpg.Record]:
+    def after(self, c: Cursor) -> list[Any]:
         return self._rows[bisect.bisect_right(self._keys, _key(c)) :]
 
     async def follow(
         self, cursor: Cursor | None, match: Callable[[Any], bool], db_filters: dict[str, Any]
-    ) -> AsyncIterator[asyncpg.Record | None]:
+    ) -> AsyncIterator[Any | None]:
         """Events after `cursor` (None: from now on) that `match`, forever; None is a keep-alive."""
         await self.ensure_started()
         assert self.head is not None

@@ -13,13 +13,11 @@ from dataclasses import dataclass
 
 from podium import failures, reasons
 from podium.failures import FailureClass
+from podium.protocol import EXITED, FAILED_RETRYABLE, NOT_RUNNING, PROVISIONING, RUNNING
 from podium.states import AttemptState, TaskState
 from podium.timing import Timing
 
-S = TaskState
-A = AttemptState
-
-NO_LEASE = -1.0  # lease_seconds meaning "no lease of its own: held while the node is healthy"
+HELD_BY_NODE_HEALTH = -1.0  # lease_seconds meaning "no lease of its own: held while the node is healthy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +26,7 @@ class Step:
     reason: str | None = None
     end_attempt: AttemptState | None = None  # close the current attempt, freeing its capacity
     attempt_state: AttemptState | None = None  # or move it forward
-    lease_seconds: float | None = None  # None: keep; NO_LEASE: clear; else now() + this
+    lease_seconds: float | None = None  # None: keep; HELD_BY_NODE_HEALTH: clear; else now() + this
     stop: bool = False  # tell the node to stop the attempt
     exit_code: int | None = None
     failure_class: FailureClass | None = None  # what kind of end this is; None for a success
@@ -54,14 +52,8 @@ class TaskFacts:
         return self.attempts < self.max_attempts
 
 
-# Event kinds as the node sends them (podium.v1 TaskEvent.Kind), by name.
-PROVISIONING = "PROVISIONING"
-RUNNING = "RUNNING"
-EXITED = "EXITED"
-FAILED_RETRYABLE = "FAILED_RETRYABLE"
-NOT_RUNNING = "NOT_RUNNING"
 
-_LIVE = (S.ASSIGNED, S.PROVISIONING, S.RUNNING)
+_LIVE = (TaskState.ASSIGNED, TaskState.PROVISIONING, TaskState.RUNNING)
 
 
 #: The node-loss reasons under which the node is known to hold nothing of the attempt any more: it is
@@ -85,28 +77,28 @@ def on_node_event(
     node's class for an end and its words about it."""
     st = task.state
     if kind == PROVISIONING:
-        if st == S.ASSIGNED:
-            return Step(S.PROVISIONING, attempt_state=A.PROVISIONING, lease_seconds=timing.lease_ttl)
+        if st == TaskState.ASSIGNED:
+            return Step(TaskState.PROVISIONING, attempt_state=AttemptState.PROVISIONING, lease_seconds=timing.lease_ttl)
         return None
     if kind == RUNNING:
-        if st in (S.ASSIGNED, S.PROVISIONING):
+        if st in (TaskState.ASSIGNED, TaskState.PROVISIONING):
             # Once running, the lease is the task's own timeout plus grace; with no timeout it is held
             # for as long as the node stays healthy (node health expires it).
-            lease = task.timeout + timing.lease_grace if task.timeout else NO_LEASE
-            return Step(S.RUNNING, attempt_state=A.RUNNING, lease_seconds=lease)
+            lease = task.timeout + timing.lease_grace if task.timeout else HELD_BY_NODE_HEALTH
+            return Step(TaskState.RUNNING, attempt_state=AttemptState.RUNNING, lease_seconds=lease)
         return None
     if kind in (EXITED, NOT_RUNNING):
         if st in _LIVE:
             if kind == NOT_RUNNING:
                 return on_node_loss(task, reasons.NODE_FORGOT)
             return _exited(exit_code, failures.from_node(failure_class), failures.detail(message))
-        if st == S.CANCELLING:
+        if st == TaskState.CANCELLING:
             return _stopped(task, exit_code, detail=failures.detail(message))
         return None
     if kind == FAILED_RETRYABLE:
         if st in _LIVE:
             return on_retryable(task, failure_class, message)
-        if st == S.CANCELLING:
+        if st == TaskState.CANCELLING:
             return _stopped(task, None, detail=failures.detail(message))
         return None
     raise ValueError(f"unknown event kind {kind!r}")
@@ -116,15 +108,15 @@ def _exited(exit_code: int | None, cls: FailureClass | None, detail: str | None)
     """An end the node reports as final: the node's class names it when it has one (an OOM kill, a
     sandbox it could not prepare), else the exit code does."""
     if cls == failures.OOM:
-        return Step(S.FAILED, reasons.OOM, end_attempt=A.EXITED, exit_code=exit_code, failure_class=cls, detail=detail)
+        return Step(TaskState.FAILED, reasons.OOM, end_attempt=AttemptState.EXITED, exit_code=exit_code, failure_class=cls, detail=detail)
     if cls == failures.PROVISIONING:
-        return Step(S.FAILED, reasons.PROVISIONING_FAILED, end_attempt=A.FAILED, exit_code=exit_code,
+        return Step(TaskState.FAILED, reasons.PROVISIONING_FAILED, end_attempt=AttemptState.FAILED, exit_code=exit_code,
                     failure_class=cls, detail=detail)  # fmt: skip
     if cls == failures.INTERNAL:
-        return Step(S.FAILED, reasons.NODE_ERROR, end_attempt=A.FAILED, exit_code=exit_code, failure_class=cls, detail=detail)
+        return Step(TaskState.FAILED, reasons.NODE_ERROR, end_attempt=AttemptState.FAILED, exit_code=exit_code, failure_class=cls, detail=detail)
     if exit_code == 0:
-        return Step(S.SUCCEEDED, end_attempt=A.EXITED, exit_code=0, detail=detail)
-    return Step(S.FAILED, reasons.EXITED_NONZERO, end_attempt=A.EXITED, exit_code=exit_code,
+        return Step(TaskState.SUCCEEDED, end_attempt=AttemptState.EXITED, exit_code=0, detail=detail)
+    return Step(TaskState.FAILED, reasons.EXITED_NONZERO, end_attempt=AttemptState.EXITED, exit_code=exit_code,
                 failure_class=failures.EXIT, detail=detail)  # fmt: skip
 
 
@@ -139,44 +131,44 @@ def on_retryable(task: TaskFacts, failure_class: str = "", message: str = "") ->
         reason = reasons.OOM
     else:
         cls, reason = failures.INTERNAL, reasons.RETRYABLE_ERROR
-    to = S.QUEUED if task.attempts_left else S.FAILED
-    return Step(to, reason, end_attempt=A.FAILED, failure_class=cls, detail=failures.detail(message))
+    to = TaskState.QUEUED if task.attempts_left else TaskState.FAILED
+    return Step(to, reason, end_attempt=AttemptState.FAILED, failure_class=cls, detail=failures.detail(message))
 
 
 def on_node_loss(task: TaskFacts, reason: str) -> Step | None:
     """The node-loss policy: requeue if the spec allows it and attempts remain, else lost."""
     gone = reason in _GONE
-    if task.state == S.CANCELLING:
+    if task.state == TaskState.CANCELLING:
         # A task being stopped whose node is gone is stopped: that is what the cancel asked for.
-        return _stopped(task, None, end=A.LOST, release=gone)
+        return _stopped(task, None, end=AttemptState.LOST, release=gone)
     if task.state not in _LIVE:
         return None
-    to = S.QUEUED if task.requeue_on_node_loss and task.attempts_left else S.LOST
-    return Step(to, reason, end_attempt=A.LOST, stop=True, failure_class=failures.NODE_LOST, release=gone)
+    to = TaskState.QUEUED if task.requeue_on_node_loss and task.attempts_left else TaskState.LOST
+    return Step(to, reason, end_attempt=AttemptState.LOST, stop=True, failure_class=failures.NODE_LOST, release=gone)
 
 
 def on_accept_overdue(task: TaskFacts) -> Step | None:
     """The node did not say "provisioning" before the accept deadline: revoke the assignment."""
-    if task.state != S.ASSIGNED:
+    if task.state != TaskState.ASSIGNED:
         return None
-    to = S.QUEUED if task.attempts_left else S.FAILED
-    return Step(to, reasons.NOT_ACCEPTED, end_attempt=A.REVOKED, stop=True, failure_class=failures.NOT_ACCEPTED)
+    to = TaskState.QUEUED if task.attempts_left else TaskState.FAILED
+    return Step(to, reasons.NOT_ACCEPTED, end_attempt=AttemptState.REVOKED, stop=True, failure_class=failures.NOT_ACCEPTED)
 
 
 def on_cancel(task: TaskFacts, reason: str = reasons.CANCELLED) -> Step | None:
     """An operator's cancel (or the timeout, with reason TIMEOUT)."""
-    if task.state == S.QUEUED:
+    if task.state == TaskState.QUEUED:
         if reason == reasons.TIMEOUT:
             return None
-        return Step(S.CANCELLED, reason, failure_class=failures.CANCELLED)
+        return Step(TaskState.CANCELLED, reason, failure_class=failures.CANCELLED)
     if task.state in _LIVE:
-        return Step(S.CANCELLING, reason, stop=True)
+        return Step(TaskState.CANCELLING, reason, stop=True)
     return None
 
 
 def on_cancel_grace(task: TaskFacts) -> Step | None:
     """The node did not confirm a stop within CancelGrace: the server writes the end itself."""
-    if task.state != S.CANCELLING:
+    if task.state != TaskState.CANCELLING:
         return None
     return _stopped(task, None)
 
@@ -209,16 +201,38 @@ def on_undeliverable(task: TaskFacts, problem: str) -> Step | None:
                 release=True)  # fmt: skip
 
 
+def on_image_unresolvable(task: TaskFacts, reason: str, words: str | None) -> Step | None:
+    """The image's registry answered that there is no such image, or refused the credentials (the
+    error's `reason`, its words beside it): asking again will not change that, so the queued task fails."""
+    if task.state != TaskState.QUEUED:
+        return None
+    return Step(TaskState.FAILED, reason, failure_class=failures.PROVISIONING, detail=failures.detail(words))
+
+
 def on_invariant_broken() -> Step:
     """A task on a node-state with no node or no token: nothing a node or operator did; fail it."""
-    return Step(S.FAILED, reasons.NO_LEASE, end_attempt=A.LOST, stop=True, failure_class=failures.INTERNAL)
+    return Step(TaskState.FAILED, reasons.NO_LEASE, end_attempt=AttemptState.LOST, stop=True, failure_class=failures.INTERNAL)
+
+
+#: Why the watchdog found a task on a node it can no longer count on, as the store names it.
+_LOST_WHY = {"offline": reasons.NODE_LOST, "revoked": reasons.NODE_REVOKED, "lease": reasons.LEASE_EXPIRED}
+
+
+def on_lost(task: TaskFacts, why: str | None) -> Step | None:
+    """The watchdog found the task's node offline or removed, or its lease expired: the node-loss
+    policy. With no such cause (`why` None) the task is on a node-state with no node and no lease: an
+    invariant broken somewhere."""
+    reason = _LOST_WHY.get(why) if why is not None else None
+    if reason is None:
+        return on_invariant_broken()
+    return on_node_loss(task, reason)
 
 
 def _stopped(
-    task: TaskFacts, exit_code: int | None, end: AttemptState = A.STOPPED, *, detail: str | None = None, release: bool = False
+    task: TaskFacts, exit_code: int | None, end: AttemptState = AttemptState.STOPPED, *, detail: str | None = None, release: bool = False
 ) -> Step:
     if task.cancel_reason == reasons.TIMEOUT:
-        return Step(S.FAILED, reasons.TIMEOUT, end_attempt=end, exit_code=exit_code, failure_class=failures.TIMEOUT,
+        return Step(TaskState.FAILED, reasons.TIMEOUT, end_attempt=end, exit_code=exit_code, failure_class=failures.TIMEOUT,
                     detail=detail, release=release)  # fmt: skip
-    return Step(S.CANCELLED, reasons.CANCELLED, end_attempt=end, exit_code=exit_code, failure_class=failures.CANCELLED,
+    return Step(TaskState.CANCELLED, reasons.CANCELLED, end_attempt=end, exit_code=exit_code, failure_class=failures.CANCELLED,
                 detail=detail, release=release)  # fmt: skip

@@ -30,20 +30,20 @@ import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-import asyncpg
-
-from podium import failures, metrics, reasons
+from podium import failures, metrics
 from podium.errors import (
     ImageNotFound, RegistryCredentialsRefused, RegistryError, RegistryUnreachable, StoreUnavailable,
 )  # fmt: skip
 from podium.registry import is_loopback
+from podium.scheduler import policy
+from podium.scheduler.apply import change
+from podium.scheduler.woken import WokenLoop
 from podium.security.service import Security, registry_of
 from podium.spec import image_digest
 from podium.states import TaskState
 from podium.store import Change, Store
-from podium.store.db import CONNECTION_ERRORS
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ RESOLVE_BATCH = 64  # tasks one pass claims
 RESOLVE_CONCURRENCY = 8  # registry calls in flight at once within a pass
 RESOLVE_TIMEOUT = 10.0  # seconds one registry call may take before it counts as "cannot be reached"
 CLAIM_LEASE = 120.0  # seconds a claimed task is left to this resolver (longer than a whole pass)
+QUEUED = policy.TaskFacts(state=TaskState.QUEUED)  # what a claimed task is: the claim reads only queued ones
 _DIGEST = re.compile(r"^[a-z0-9]+(?:[.+_-][a-z0-9]+)*:[a-fA-F0-9]{32,}$")
 
 
@@ -101,36 +102,18 @@ class ImageResolver:
         self.timing = timing
         self.resolve = resolve
         self.actor = f"resolver:{server_id}"
-        self._wake = asyncio.Event()
-        self._listen_conn: asyncpg.Connection | None = None
+        self.woken = WokenLoop("resolver", store, "podium_dispatch", timing.tick, self._pass)
 
     def tasks(self) -> dict[str, Callable[[], Awaitable[None]]]:
-        """The named loop the server supervises."""
-        return {"scheduler.resolver": self.loop}
+        """The named loop the server supervises: woken by a submission (NOTIFY podium_dispatch), and
+        every tick for the retries coming due."""
+        return {"scheduler.resolver": self.woken.run}
 
     async def close(self) -> None:
-        if self._listen_conn is not None and not self._listen_conn.is_closed():
-            await self._listen_conn.close()
+        await self.woken.close()
 
-    async def loop(self) -> None:
-        """Woken by a submission (NOTIFY podium_dispatch), and every tick for the retries coming due."""
-        while True:
-            try:
-                if self._listen_conn is None or self._listen_conn.is_closed():
-                    self._listen_conn = await self.store.listen("podium_dispatch", lambda _p: self._wake.set())
-                if await self.resolve_once() >= RESOLVE_BATCH:
-                    continue  # more may be waiting
-            except StoreUnavailable as e:
-                log.warning("resolver: %s; retrying", e)
-                self._listen_conn = None
-            except CONNECTION_ERRORS as e:
-                log.warning("resolver: lost the database (%s); retrying", e)
-                self._listen_conn = None
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.timing.tick)
-            except TimeoutError:
-                pass
-            self._wake.clear()
+    async def _pass(self) -> float | None:
+        return 0 if await self.resolve_once() >= RESOLVE_BATCH else None  # a full batch: more may be waiting
 
     async def resolve_once(self) -> int:
         """One pass: claim the tasks due, ask each distinct image's registry once, write the answers.
@@ -138,7 +121,7 @@ class ImageResolver:
         claimed = await self.store.claim_unresolved(RESOLVE_BATCH, CLAIM_LEASE)
         if not claimed:
             return 0
-        by_image: dict[str, list[asyncpg.Record]] = defaultdict(list)
+        by_image: dict[str, list[Any]] = defaultdict(list)
         for row in claimed:
             by_image[row["image"]].append(row)
         limit = asyncio.Semaphore(RESOLVE_CONCURRENCY)
@@ -157,11 +140,9 @@ class ImageResolver:
                 if answer.digest is not None:
                     resolved.append((row["id"], answer.digest))
                 elif isinstance(answer.error, ImageNotFound | RegistryCredentialsRefused):
-                    reason = reasons.IMAGE_NOT_FOUND if isinstance(answer.error, ImageNotFound) else reasons.REGISTRY_REFUSED
-                    failed.append(Change(
-                        row["id"], TaskState.QUEUED, TaskState.FAILED, actor=self.actor, reason=reason,
-                        failure_class=failures.PROVISIONING, detail=failures.detail(answer.error.detail),
-                    ))  # fmt: skip
+                    step = policy.on_image_unresolvable(QUEUED, answer.error.reason, answer.error.detail)
+                    if step is not None:
+                        failed.append(change(row["id"], TaskState.QUEUED, step, actor=self.actor))
                 else:
                     detail = failures.detail(answer.error.detail if answer.error else None)
                     unreachable.append((row["id"], detail, backoff(self.timing, row["resolve_tries"])))

@@ -1,5 +1,5 @@
 """`Store` is the only code that runs queries. Every task state change goes through
-`transition_task` (or `transition_many` for a batch): one compare-and-set statement with an explicit
+`transition` (or `transition_many` for a batch): one compare-and-set statement with an explicit
 `from` per task; the dispatch batch is the same compare-and-set applied to many rows at once.
 
 This module must never decide policy (which node, requeue or lose): callers decide, the store makes
@@ -29,6 +29,7 @@ from podium.spec import TaskSpec
 from podium.states import AttemptState, TaskState, is_allowed
 from podium.store.migrate import migrate
 from podium.store.queries import queries
+from podium.store.rows import OutboxRow, TaskFactsRow
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class Transition:
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """One compare-and-set to make: `Store.transition_task`'s arguments as a value, for batches."""
+    """One compare-and-set to make: `Store.transition`'s argument; a batch of them for `transition_many`."""
 
     task_id: uuid.UUID
     from_: TaskState | str
@@ -198,6 +199,64 @@ async def _light_reset(_conn: asyncpg.Connection) -> None:
     pure overhead on every query."""
 
 
+@dataclass(frozen=True, slots=True)
+class Notification:
+    channel: str
+    payload: str
+
+
+class Subscription:
+    """A LISTEN: a connection of its own that only the store touches, and the notifications it heard."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+        self._queue: asyncio.Queue[Notification | None] = asyncio.Queue()
+        # a lost connection wakes whoever waits on the queue, so no one waits on a dead LISTEN for ever
+        conn.add_termination_listener(lambda _c: self._queue.put_nowait(None))
+
+    def _listener(self, channel: str, callback: Callable[[str], None] | None) -> Callable[..., None]:
+        def heard(_conn: object, _pid: int, _channel: str, payload: str) -> None:
+            if callback is not None:
+                callback(payload)
+            else:
+                self._queue.put_nowait(Notification(channel, payload))
+
+        return heard
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.is_closed()
+
+    def is_closed(self) -> bool:
+        return self.closed
+
+    async def get(self) -> Notification:
+        """The next notification (of a channel with no callback); StoreUnavailable once the
+        connection is lost (a missed notification only delays: every listener also sweeps)."""
+        while True:
+            if self._queue.empty() and self.closed:
+                raise StoreUnavailable("the LISTEN connection to PostgreSQL was lost")
+            n = await self._queue.get()
+            if n is not None:
+                return n
+
+    def drain(self) -> list[Notification]:
+        """Every notification already heard, without waiting."""
+        out: list[Notification] = []
+        while not self._queue.empty():
+            n = self._queue.get_nowait()
+            if n is not None:
+                out.append(n)
+        return out
+
+    async def close(self) -> None:
+        if not self._conn.is_closed():
+            try:
+                await self._conn.close()
+            except CONNECTION_ERRORS:
+                self._conn.terminate()
+
+
 def _init_connection(conn: asyncpg.Connection) -> Any:
     return conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
@@ -249,17 +308,28 @@ class Store:
             raise _Refused(f"the database refused a conflicting write ({e}); nothing was written") from e
 
     async def listen(
-        self, channel: str, callback: Callable[[str], None], also: dict[str, Callable[[str], None]] | None = None
-    ) -> asyncpg.Connection:
-        """A dedicated connection LISTENing on `channel` (and on every channel in `also`, each with its
-        own callback: one connection, not one per channel). The caller owns it and closes it."""
+        self,
+        channel: str,
+        callback: Callable[[str], None] | None = None,
+        also: dict[str, Callable[[str], None] | None] | None = None,
+    ) -> Subscription:
+        """LISTEN on `channel` (and on every channel in `also`: one connection, not one per channel).
+        A channel given a callback has it called with each payload as it arrives; the others'
+        notifications wait in the subscription's queue (`Subscription.get`). The caller owns the
+        subscription and closes it; a lost connection closes it (`closed`), and `get` then raises
+        StoreUnavailable."""
         try:
             conn = await asyncpg.connect(self.dsn)
-            for ch, cb in {channel: callback, **(also or {})}.items():
-                await conn.add_listener(ch, lambda _c, _pid, _ch, payload, cb=cb: cb(payload))
         except CONNECTION_ERRORS as e:
             raise StoreUnavailable(f"cannot LISTEN on {channel}: {e}") from e
-        return conn
+        sub = Subscription(conn)
+        try:
+            for ch, cb in {channel: callback, **(also or {})}.items():
+                await conn.add_listener(ch, sub._listener(ch, cb))
+        except CONNECTION_ERRORS as e:
+            await sub.close()
+            raise StoreUnavailable(f"cannot LISTEN on {channel}: {e}") from e
+        return sub
 
     # ---- tasks ----------------------------------------------------------------------------------
 
@@ -376,6 +446,25 @@ class Store:
         )
 
     @_retried
+    async def transition(self, change: Change) -> Transition | None:
+        """Make one change (one compare-and-set), or do nothing and return None.
+
+        `fencing_token` and `node_id` are given when a node is the actor: a stale token or another
+        node's task is rejected like a wrong `from`. `end_attempt` closes the current attempt with that
+        state and frees its capacity; `attempt_state` moves it forward instead. `lease_seconds` sets the
+        lease from the database clock (negative: no lease of its own, held by node health). `stop`
+        asks the node to stop the attempt. `failure_class` and `detail` are written with an end, in the
+        same statement; a container attempt's end frees its capacity only with a recorded release
+        proof, or with `release` (the node-loss policy gave up on its node). `revision` (If-Match)
+        refuses the change unless the task is still at that assignment revision; every accepted
+        change bumps it.
+        """
+        async with self._conn() as c:
+            row = await c.fetchrow(self.q["transition_tasks"], *_columns([change]))
+        if row is None:
+            return None
+        return Transition(row["id"], row["fencing_token"], row["attempt_node"])
+
     async def transition_task(
         self,
         task_id: uuid.UUID,
@@ -396,34 +485,14 @@ class Store:
         backend_ref: str | None = None,
         release: bool = False,
         revision: int | None = None,
-        conn: asyncpg.Connection | None = None,
     ) -> Transition | None:
-        """Move a task from `from_` to `to`, or do nothing and return None.
-
-        `fencing_token` and `node_id` are given when a node is the actor: a stale token or another
-        node's task is rejected like a wrong `from`. `end_attempt` closes the current attempt with that
-        state and frees its capacity; `attempt_state` moves it forward instead. `lease_seconds` sets the
-        lease from the database clock (negative: no lease of its own, held by node health). `stop`
-        asks the node to stop the attempt. `failure_class` and `detail` are written with an end, in the
-        same statement; a container attempt's end frees its capacity only with a recorded release
-        proof, or with `release` (the node-loss policy gave up on its node). `revision` (If-Match) refuses the change unless
-        the task is still at that assignment revision; every accepted change bumps it.
-        """
-        change = Change(
+        """`transition` with the change's fields as arguments."""
+        return await self.transition(Change(
             task_id, from_, to, actor=actor, reason=reason, fencing_token=fencing_token, node_id=node_id,
             exit_code=exit_code, lease_seconds=lease_seconds, end_attempt=end_attempt,
             attempt_state=attempt_state, stop=stop, failure_class=failure_class, detail=detail,
             backend_ref=backend_ref, release=release, revision=revision,
-        )  # fmt: skip
-        cols = _columns([change])
-        if conn is not None:
-            row = await conn.fetchrow(self.q["transition_tasks"], *cols)
-        else:
-            async with self._conn() as c:
-                row = await c.fetchrow(self.q["transition_tasks"], *cols)
-        if row is None:
-            return None
-        return Transition(row["id"], row["fencing_token"], row["attempt_node"])
+        ))  # fmt: skip
 
     @_retried
     async def transition_many(self, changes: Sequence[Change]) -> list[Transition | None]:
@@ -443,9 +512,9 @@ class Store:
         done = {r["id"]: Transition(r["id"], r["fencing_token"], r["attempt_node"]) for r in rows}
         return [done.get(c.task_id) for c in changes]
 
-    async def task_facts_many(self, task_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, asyncpg.Record]:
+    async def task_facts_many(self, task_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, TaskFactsRow]:
         async with self._conn() as conn:
-            return {r["id"]: r for r in await conn.fetch(self.q["task_facts_many"], list(task_ids))}
+            return {r["id"]: TaskFactsRow.of(r) for r in await conn.fetch(self.q["task_facts_many"], list(task_ids))}
 
     async def assigned_in_flight(self, up_to: int) -> int:
         async with self._conn() as conn:
@@ -728,9 +797,9 @@ class Store:
         async with self._conn() as conn:
             return {r["fencing_token"] for r in await conn.fetch(self.q["undelivered_on_node"], node_id)}
 
-    async def handover_due(self, limit: int) -> list[asyncpg.Record]:
+    async def handover_due(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["handover_due"], limit)
+            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["handover_due"], limit)]
 
     @_retried
     async def handover_done(self) -> None:
@@ -765,9 +834,9 @@ class Store:
         async with self._conn() as conn:
             await conn.execute(self.q["release_gateway"], gateway_id)
 
-    async def tasks_on_node(self, node_id: str) -> list[asyncpg.Record]:
+    async def tasks_on_node(self, node_id: str) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["tasks_on_node"], node_id)
+            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["tasks_on_node"], node_id)]
 
     @_retried
     async def redeliver(self, tokens: Sequence[int]) -> None:
@@ -782,10 +851,10 @@ class Store:
                 await conn.execute(self.q["request_stop"], list(tokens), node_id)
 
     @_retried
-    async def take_outbox(self, node_ids: Sequence[str]) -> list[asyncpg.Record]:
+    async def take_outbox(self, node_ids: Sequence[str]) -> list[OutboxRow]:
         """What the nodes are owed (Assigns, stops), marked sent; ordered by node, then token."""
         async with self._conn() as conn:
-            return await conn.fetch(self.q["take_outbox"], list(node_ids))
+            return [OutboxRow.of(r) for r in await conn.fetch(self.q["take_outbox"], list(node_ids))]
 
     async def nodes_with_outbox(self) -> list[str]:
         async with self._conn() as conn:
@@ -921,9 +990,9 @@ class Store:
         async with self._conn() as conn:
             return await conn.fetchrow(self.q["set_artifacts"], node_id, session, sorted(set(artifacts))) is not None
 
-    async def drain_overdue(self, limit: int) -> list[asyncpg.Record]:
+    async def drain_overdue(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["drain_overdue"], limit)
+            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["drain_overdue"], limit)]
 
     # ---- security -------------------------------------------------------------------------------
 
@@ -1019,17 +1088,17 @@ class Store:
         async with self._conn() as conn:
             return [r["id"] for r in await conn.fetch(self.q["mark_offline"], after)]
 
-    async def overdue_accepts(self, limit: int) -> list[asyncpg.Record]:
+    async def overdue_accepts(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["watch_overdue_accept"], limit)
+            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_overdue_accept"], limit)]
 
-    async def timed_out(self, limit: int) -> list[asyncpg.Record]:
+    async def timed_out(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["watch_timeouts"], limit)
+            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_timeouts"], limit)]
 
-    async def cancel_grace_expired(self, grace: float, limit: int) -> list[asyncpg.Record]:
+    async def cancel_grace_expired(self, grace: float, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["watch_cancel_grace"], grace, limit)
+            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_cancel_grace"], grace, limit)]
 
     @_retried
     async def prune_finished(self, older_than: float, limit: int) -> int:
@@ -1039,6 +1108,6 @@ class Store:
             status = await conn.execute(self.q["prune_finished"], older_than, limit)
         return int(status.split()[-1])
 
-    async def lost_tasks(self, limit: int) -> list[asyncpg.Record]:
+    async def lost_tasks(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["watch_lost"], limit)
+            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_lost"], limit)]

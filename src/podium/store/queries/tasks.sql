@@ -115,20 +115,7 @@ WITH d AS (
     FROM t
     WHERE t.end_attempt IS NULL AND (t.attempt_state IS NOT NULL OR t.stop) AND a.fencing_token = t.fencing_token
     RETURNING a.task_id, a.node_id, t.stop
-), freed AS (
-    -- one UPDATE row per node, whatever number of its attempts ended here
-    UPDATE nodes n SET
-        res_cpu_millis = n.res_cpu_millis - f.cpu,
-        res_memory_bytes = n.res_memory_bytes - f.mem,
-        res_disk_bytes = n.res_disk_bytes - f.disk,
-        res_gpus = n.res_gpus - f.gpus,
-        res_slots = n.res_slots - f.slots
-    FROM (SELECT node_id, sum(cpu_millis) AS cpu, sum(memory_bytes) AS mem, sum(disk_bytes) AS disk,
-                 sum(gpus) AS gpus, count(*) AS slots
-          FROM ended WHERE ended.released GROUP BY node_id) f
-    WHERE n.id = f.node_id
-    RETURNING n.id
-), e AS (
+), {{freed: ended WHERE ended.released}}, e AS (
     INSERT INTO task_events (task_id, from_state, to_state, reason, actor, fencing_token, failure_class, detail)
     SELECT t.id, t.from_state, t.to_state, t.reason, t.actor, t.fencing_token, t.failure_class, t.detail FROM t
 ), woke_node AS (
@@ -500,19 +487,7 @@ WITH d AS (
     RETURNING a.task_id, a.fencing_token, a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus, a.released
 ), unclaimed AS (
     DELETE FROM gpu_claims g USING proved p WHERE g.fencing_token = p.fencing_token AND p.gpus > 0 AND p.released
-), freed AS (
-    UPDATE nodes n SET
-        res_cpu_millis = n.res_cpu_millis - f.cpu,
-        res_memory_bytes = n.res_memory_bytes - f.mem,
-        res_disk_bytes = n.res_disk_bytes - f.disk,
-        res_gpus = n.res_gpus - f.gpus,
-        res_slots = n.res_slots - f.slots
-    FROM (SELECT node_id, sum(cpu_millis) AS cpu, sum(memory_bytes) AS mem, sum(disk_bytes) AS disk,
-                 sum(gpus) AS gpus, count(*) AS slots
-          FROM proved WHERE proved.released GROUP BY node_id) f
-    WHERE n.id = f.node_id
-    RETURNING n.id
-), woke AS (
+), {{freed: proved WHERE proved.released}}, woke AS (
     SELECT count(pg_notify('podium_dispatch', '')) AS n FROM (SELECT 1 WHERE EXISTS (SELECT 1 FROM freed)) z
 )
 SELECT p.task_id, p.fencing_token, p.released, (SELECT n FROM woke) AS woke FROM proved p
@@ -537,19 +512,7 @@ WITH c AS (
     RETURNING a.task_id, a.fencing_token, a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus
 ), unclaimed AS (
     DELETE FROM gpu_claims g USING rel WHERE g.fencing_token = rel.fencing_token AND rel.gpus > 0
-), freed AS (
-    UPDATE nodes n SET
-        res_cpu_millis = n.res_cpu_millis - f.cpu,
-        res_memory_bytes = n.res_memory_bytes - f.mem,
-        res_disk_bytes = n.res_disk_bytes - f.disk,
-        res_gpus = n.res_gpus - f.gpus,
-        res_slots = n.res_slots - f.slots
-    FROM (SELECT node_id, sum(cpu_millis) AS cpu, sum(memory_bytes) AS mem, sum(disk_bytes) AS disk,
-                 sum(gpus) AS gpus, count(*) AS slots
-          FROM rel GROUP BY node_id) f
-    WHERE n.id = f.node_id
-    RETURNING n.id
-)
+), {{freed: rel}}
 SELECT rel.task_id, rel.fencing_token, rel.node_id, (SELECT count(*) FROM freed) AS nodes FROM rel
 
 -- nodes_releasing --
@@ -559,3 +522,23 @@ SELECT node_id, sum(cpu_millis)::bigint AS cpu_millis, sum(memory_bytes)::bigint
 FROM attempts
 WHERE node_id = ANY($1::text[]) AND finished_at IS NOT NULL AND NOT released
 GROUP BY node_id
+
+-- _freed --
+-- A fragment, not a query: `{{freed: <rows>}}` in a query above is this CTE, freeing on their nodes
+-- the capacity of <rows> (attempts: node_id, cpu_millis, memory_bytes, disk_bytes, gpus), one
+-- UPDATE row per node whatever number of its attempts are freed. Written once: every way an
+-- attempt's capacity comes back (its end, its release proof, the node-loss policy giving up on its
+-- node) frees exactly this.
+freed AS (
+    UPDATE nodes n SET
+        res_cpu_millis = n.res_cpu_millis - f.cpu,
+        res_memory_bytes = n.res_memory_bytes - f.mem,
+        res_disk_bytes = n.res_disk_bytes - f.disk,
+        res_gpus = n.res_gpus - f.gpus,
+        res_slots = n.res_slots - f.slots
+    FROM (SELECT node_id, sum(cpu_millis) AS cpu, sum(memory_bytes) AS mem, sum(disk_bytes) AS disk,
+                 sum(gpus) AS gpus, count(*) AS slots
+          FROM __ROWS__ GROUP BY node_id) f
+    WHERE n.id = f.node_id
+    RETURNING n.id
+)

@@ -1,0 +1,185 @@
+"""The outbox and delivery: what nodes are owed (Assigns placed by any replica, stops), taken from the
+store when PostgreSQL notifies `podium_node` — every node woken since the last take in one
+statement — with a periodic sweep as the backstop, so a missed notification only delays.
+
+An Assign's secrets are resolved just before it is pushed, for the node that runs it. A store that
+cannot be read keeps the Assign here, sent again on the same stream once it can; a secret gone or
+unreadable is the policy's to decide (`policy.on_undeliverable`), applied by the one applier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from podium import metrics
+from podium.errors import NotFound, StoreUnavailable
+from podium.gateway.sessions import Session, Sessions
+from podium.proto.podium.v1 import agent_pb2 as pb
+from podium.scheduler import policy
+from podium.scheduler.apply import Applier
+from podium.security.secretbox import SecretUnreadable
+from podium.security.service import SecretMissing, Security
+from podium.states import TaskState
+from podium.store import Store, Subscription
+from podium.timing import Timing
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    def __init__(
+        self, store: Store, sessions: Sessions, timing: Timing, *, take_store: Store, security: Security,
+        applier: Applier, server_id: str,
+    ) -> None:  # fmt: skip
+        self.store = store
+        # the outbox takes run over the pool of the group commits, so no Hello storm delays them
+        self.take_store = take_store
+        self.sessions = sessions
+        self.timing = timing
+        self.security = security
+        self.applier = applier
+        self.server_id = server_id
+        self._node_sub: Subscription | None = None
+        self._revoked_sub: Subscription | None = None  # also hears podium_superseded
+        self._due: set[str] = set()  # nodes to take the outbox of at the next take
+        self._wake = asyncio.Event()
+
+    async def loop(self) -> None:
+        """LISTEN for per-node wake-ups, and sweep every node with a pending outbox as a backstop."""
+        while True:
+            try:
+                if self._node_sub is None or self._node_sub.is_closed():
+                    self._node_sub = await self.store.listen("podium_node", self.due)
+                if self._revoked_sub is None or self._revoked_sub.is_closed():
+                    self._revoked_sub = await self.store.listen(
+                        "podium_revoked", self.sessions.on_revoked, also={"podium_superseded": self.sessions.on_superseded}
+                    )
+                for node_id in await self.store.nodes_with_outbox():
+                    self.due(node_id)
+            except StoreUnavailable as e:
+                log.warning("outbox sweep: %s", e)
+                sub, self._node_sub = self._node_sub, None
+                if sub is not None:
+                    await sub.close()
+            await asyncio.sleep(max(self.timing.tick, 0.1))
+
+    async def close(self) -> None:
+        for sub in (self._node_sub, self._revoked_sub):
+            if sub is not None:
+                await sub.close()
+
+    def due(self, node_id: str) -> None:
+        """Take this node's outbox at the next take (if this replica holds its stream)."""
+        if node_id in self.sessions:
+            self._due.add(node_id)
+            self._wake.set()
+
+    async def deliver_loop(self) -> None:
+        """Push what the store says nodes are owed: every node woken since the last take, in one
+        statement (a dispatch batch spread over a thousand nodes is one take, not a thousand).
+
+        An Assign whose secrets could not be read because the store was unavailable is kept here
+        and sent again (with backoff) on the same stream: the take already marked it delivered, so
+        no other take would return it, and failing the task over a database blip would be a lie.
+        Should this server die meanwhile, the node's next Hello has it redelivered."""
+        delay = 0.05
+        retry: list[tuple[Session, Any]] = []  # (stream, outbox row) to send again, oldest first
+        retry_delay = 0.05
+        while True:
+            if retry:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=retry_delay)
+            else:
+                await self._wake.wait()
+            self._wake.clear()
+            due, self._due = self._due, set()
+            live = sorted(n for n in due if n in self.sessions)
+            rows: list[Any] = []
+            if live:
+                try:
+                    with metrics.OUTBOX_TAKE_SECONDS.time():
+                        rows = await self.take_store.take_outbox(live)
+                except StoreUnavailable as e:
+                    log.warning("outbox for %d nodes: %s", len(live), e)
+                    self._due.update(live)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    self._wake.set()
+                    continue
+                delay = 0.05
+            # what waited for the store first, each still only on the stream it was taken for (a
+            # node that reconnected since is redelivered its Assigns by its Hello)
+            work = [(s, r, True) for s, r in retry if self.sessions.get(s.node_id) is s]
+            retry = []
+            work += [(s, r, False) for r in rows if (s := self.sessions.get(r["node_id"])) is not None]
+            for s, r, again in work:
+                if r["kind"] == "assign":
+                    # marked delivered but not sent if this fails: closing the stream makes the
+                    # node's next Hello redeliver it
+                    try:
+                        if not await self._send_assign(s, r, again=again):
+                            retry.append((s, r))
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:
+                        log.exception("sending task %s to node %s failed; closing its stream", r["task_id"], s.node_id)
+                        s.close()
+                else:
+                    s.send(pb.ServerMessage(cancel=pb.Cancel(
+                        task_id=str(r["task_id"]), fencing_token=r["fencing_token"], reason=r["reason"] or "",
+                    )))  # fmt: skip
+            retry_delay = min(retry_delay * 2, 1.0) if retry else 0.05
+
+    async def _send_assign(self, s: Session, r: Any, *, again: bool = False) -> bool:
+        """Resolve the task's secrets now, immediately before the Assign that carries them, and only
+        for the node that runs this attempt. False when the store could not be read: nothing is
+        known yet, and the caller sends it again. With `again`, the attempt is first checked to
+        still be the task's current one (it may have been cancelled or revoked while it waited)."""
+        task_id, token = r["task_id"], r["fencing_token"]
+        spec = json.loads(r["spec"])
+        try:
+            if again:
+                current = await self.store.get_task(task_id)
+                if current["state"] != TaskState.ASSIGNED or current["fencing_token"] != token:
+                    return True  # moved on while it waited: nothing to send
+            values, registries = await self.security.resolve(spec)
+        except StoreUnavailable as e:
+            log.warning("task %s: its secrets cannot be read now (%s); sending it to node %s again shortly", task_id, e, s.node_id)
+            return False
+        except SecretMissing as e:
+            log.warning("task %s cannot be sent: %s", task_id, e)
+            return await self._undeliverable(r, policy.SECRET_GONE, {"secret": e.secret})
+        except SecretUnreadable as e:
+            log.error("task %s cannot be sent to node %s: %s; every replica must be given the same key "
+                      "(PODIUM_SECRET_KEY or PODIUM_SECRET_KEY_FILE)", task_id, s.node_id, e)  # fmt: skip
+            return await self._undeliverable(r, policy.SECRET_UNREADABLE, {"secret": e.secret, "key_id": e.key_id})
+        except NotFound:
+            return True  # the task itself is gone (pruned): nothing to send
+        s.send(pb.ServerMessage(assign=pb.Assign(
+            task_id=str(task_id), attempt=r["attempt"], fencing_token=token,
+            spec_json=r["spec"], gpu_indexes=list(r["gpu_indexes"] or ()),
+            secrets=[pb.SecretValue(env=env, value=value) for env, value in values],
+            registries=[pb.RegistryCredential(registry=h, username=u, password=p) for h, u, p in registries],
+        )))  # fmt: skip
+        return True
+
+    async def _undeliverable(self, r: Any, problem: str, detail: dict[str, Any]) -> bool:
+        """Apply the policy's step for an Assign that cannot be sent; the detail (which secret, which
+        key) goes beside the reason, in the audit log, never into it. False if the store went away
+        meanwhile (the caller tries the whole delivery again)."""
+        step = policy.on_undeliverable(policy.TaskFacts(state=TaskState.ASSIGNED), problem)
+        try:
+            done = await self.applier.apply(r["task_id"], TaskState.ASSIGNED, step, fencing_token=r["fencing_token"])
+            if done is not None and step is not None:
+                await self.store.audit(
+                    f"gateway:{self.server_id}", "task.undeliverable", str(r["task_id"]),
+                    {"reason": step.reason, "fencing_token": r["fencing_token"], **detail},
+                )  # fmt: skip
+        except StoreUnavailable as e:
+            log.warning("task %s: its failure could not be recorded yet (%s); trying again", r["task_id"], e)
+            return False
+        return True

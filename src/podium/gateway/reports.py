@@ -1,0 +1,282 @@
+"""Node reports, group-committed: the report batcher and its backlog, and the release proofs.
+
+A stream's reader only queues a report here and goes on reading (so its heartbeats never wait behind
+its reports). `ReportBatcher.loop` takes every queued report — round robin over the streams, each
+stream's in arrival order, at most one per task per batch — reads those tasks in one query, lets the
+policy decide each, and applies them with one `transition_many` (one commit). Before a batch that
+ends attempts it awaits the log flusher it was given: an attempt's output is stored before its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from podium import metrics, protocol
+from podium.errors import StoreUnavailable
+from podium.gateway.sessions import ACCEPTED, Pending, Session, Sessions, accepted
+from podium.proto.podium.v1 import agent_pb2 as pb
+from podium.scheduler import policy
+from podium.scheduler.apply import change, facts
+from podium.store import Change, Store
+from podium.timing import Timing
+
+log = logging.getLogger(__name__)
+
+PERSIST_FOR = 30.0  # seconds a node's report is retried against an unavailable database
+EVENT_BATCH = 1000  # node reports applied in one transaction (one commit) at most
+EVENT_TRIES = 5  # a report whose task keeps moving between read and write is given up after this
+SESSION_BACKLOG = 4096  # reports one stream may have waiting before its reader stops reading
+_KIND = {v: k for k, v in pb.TaskEvent.Kind.items()}
+
+
+class ReportBatcher:
+    def __init__(
+        self, store: Store, sessions: Sessions, timing: Timing, *, flush_logs: Callable[[], Awaitable[bool]]
+    ) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.timing = timing
+        # "store an attempt's output before its end": the log flusher, awaited before a batch of ends
+        self.flush_logs = flush_logs
+        # sessions with reports waiting, in the order they are served (round robin)
+        self._event_sessions: dict[Session, None] = {}
+        self._events_ready = asyncio.Event()
+        self.backlog = 0  # node reports received and not yet applied (admission reads it)
+
+    def drop(self, s: Session) -> None:
+        """A stream ended: what it reported and was not applied yet goes with it (a reconnecting node
+        reports its attempts again, and re-sends every end not acknowledged)."""
+        self._backlog_add(-len(s.events))
+        s.events.clear()
+        self._event_sessions.pop(s, None)
+
+    def _backlog_add(self, n: int) -> None:
+        self.backlog += n
+        metrics.NODE_REPORT_BACKLOG.inc(n)
+
+    async def enqueue(self, s: Session, ev: pb.TaskEvent) -> None:
+        """Queue a report for the next group commit, and go on reading the stream (its heartbeats
+        must not wait behind its reports). A node that reports faster than the store takes it is
+        slowed by gRPC flow control: its reader waits while its backlog is full."""
+        try:
+            task_id = uuid.UUID(ev.task_id)
+        except ValueError:
+            log.warning("node %s sent an event for a malformed task id %r", s.node_id, ev.task_id)
+            return
+        while len(s.events) >= SESSION_BACKLOG:
+            s.room.clear()
+            await s.room.wait()
+        s.events.append(Pending(ev, task_id, _KIND.get(ev.kind, "")))
+        self._backlog_add(1)
+        self._event_sessions.setdefault(s, None)
+        self._events_ready.set()
+
+    async def loop(self) -> None:
+        """Apply node reports in batches: every report that arrived while the last batch was being
+        committed goes into the next one, so a busy fleet costs a commit per batch, not per report.
+        Each report is still its own compare-and-set, decided from the row just read."""
+        delay = 0.05
+        down_since: float | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._events_ready.wait()
+            self._events_ready.clear()
+            while batch := self._take_batch():
+                try:
+                    with metrics.NODE_REPORT_BATCH_SECONDS.time():
+                        await self._apply_batch(batch)
+                except StoreUnavailable as e:
+                    self._put_back(batch)
+                    now = loop.time()
+                    down_since = now if down_since is None else down_since
+                    if now - down_since > PERSIST_FOR:
+                        # a node whose reports cannot be stored for this long reconnects and reports again
+                        log.warning("node reports not stored for %.0fs (%s); closing the streams that sent them", now - down_since, e)
+                        for sess in list(self._event_sessions):
+                            sess.close()
+                        down_since = None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    # A bug, or a write the database refused for good: it must not take the other
+                    # nodes' reports (or the server) with it. The streams that sent this batch are
+                    # closed; on reconnect their nodes report their attempts again, as after any loss.
+                    log.exception("applying %d node reports failed; closing the streams that sent them", len(batch))
+                    for sess in {s for s, _p in batch}:
+                        sess.close()
+                    continue
+                delay, down_since = 0.05, None
+
+    def _take_batch(self) -> list[tuple[Session, Pending]]:
+        """Up to EVENT_BATCH reports, round robin over the streams, each stream's in arrival order,
+        at most one per task (a later report on the same task waits for the next batch)."""
+        batch: list[tuple[Session, Pending]] = []
+        tasks: set[uuid.UUID] = set()
+        active = list(self._event_sessions)
+        served: list[Session] = []
+        while active and len(batch) < EVENT_BATCH:
+            again = []
+            for s in active:
+                if len(batch) >= EVENT_BATCH:
+                    break
+                if not s.events or s.events[0].task_id in tasks:
+                    continue
+                p = s.events.popleft()
+                self._backlog_add(-1)
+                tasks.add(p.task_id)
+                batch.append((s, p))
+                again.append(s)
+            served.extend(again)
+            active = again
+        for s in dict.fromkeys(served):
+            self._requeue_session(s)
+        return batch
+
+    def _requeue_session(self, s: Session) -> None:
+        """Move a stream to the back of the service order (or out of it when it has nothing left)."""
+        self._event_sessions.pop(s, None)
+        if len(s.events) < SESSION_BACKLOG:
+            s.room.set()
+        if s.events and self.sessions.get(s.node_id) is s:
+            self._event_sessions[s] = None
+
+    def _put_back(self, items: list[tuple[Session, Pending]]) -> None:
+        """Reports that must be tried again go back to the front of their stream's queue, in order."""
+        for s, p in reversed(items):
+            if self.sessions.get(s.node_id) is s:
+                s.events.appendleft(p)
+                self._backlog_add(1)
+                self._event_sessions.setdefault(s, None)
+        if items:
+            self._events_ready.set()
+
+    async def _apply_batch(self, batch: list[tuple[Session, Pending]]) -> None:
+        if any(p.final for _s, p in batch):
+            # an attempt's output arrived before its end on the same stream: store it before the end
+            # becomes visible, so whoever follows the logs of an ended task has all of them (and the
+            # node, told its end is recorded, forgets no output that is not)
+            if not await self.flush_logs():
+                raise StoreUnavailable("the output sent before these ends is not stored yet")
+        rows = await self.store.task_facts_many([p.task_id for _s, p in batch])
+        changes: list[Change] = []
+        planned: list[tuple[Session, Pending]] = []
+        for s, p in batch:
+            ev = p.event
+            row = rows.get(p.task_id)
+            if row is None or row["fencing_token"] != ev.fencing_token or row["node_id"] != s.node_id:
+                if not (row is not None and p.final and row["fencing_token"] == ev.fencing_token):
+                    # a stale or foreign attempt: refuse it, and make sure the node stops it
+                    self._reject(s, p, row)
+                else:
+                    metrics.NODE_REPORTS.labels("settled").inc()
+                # (an end already recorded, sent again after a reconnect, is only acknowledged)
+                self._answer(s, p, applied=False)
+                continue
+            f = facts(row)
+            step = policy.on_node_event(
+                f, p.kind, ev.exit_code if p.kind == protocol.EXITED else None, self.timing,
+                failure_class=ev.failure_class, message=ev.message,
+            )  # fmt: skip
+            if step is None:
+                if p.kind == protocol.PROVISIONING and f.state in ACCEPTED:
+                    accepted(s, ev.task_id, ev.fencing_token)  # a repeat: it was recorded
+                metrics.NODE_REPORTS.labels("settled").inc()
+                self._answer(s, p, applied=False)
+                continue
+            changes.append(change(
+                p.task_id, f.state, step, actor=f"node:{s.node_id}", fencing_token=ev.fencing_token, node_id=s.node_id,
+                backend_ref=ev.backend_ref,
+            ))  # fmt: skip
+            planned.append((s, p))
+        results = await self.store.transition_many(changes) if changes else []
+        metrics.NODE_REPORT_BATCH.observe(len(batch))
+        again: list[tuple[Session, Pending]] = []
+        for (s, p), done in zip(planned, results, strict=True):
+            if done is not None:
+                metrics.NODE_REPORTS.labels("applied").inc()
+                self._answer(s, p, applied=True)
+                continue
+            # the task moved between the read and the write (a sweep, a cancel): decide again
+            p.tries += 1
+            if p.tries < EVENT_TRIES:
+                again.append((s, p))
+            else:
+                log.warning("node %s: %s for task %s kept losing races; dropped", s.node_id, p.kind, p.task_id)
+                metrics.NODE_REPORTS.labels("dropped").inc()
+                self._answer(s, p, applied=False)
+        self._put_back(again)
+
+    def _reject(self, s: Session, p: Pending, row: Any) -> None:
+        metrics.NODE_REPORTS.labels("rejected").inc()
+        ev = p.event
+        log.warning(
+            "node %s: rejected %s for task %s with fencing token %d (the task is %s, token %s, on node %s)",
+            s.node_id, p.kind, ev.task_id, ev.fencing_token, None if row is None else row["state"],
+            None if row is None else row["fencing_token"], None if row is None else row["node_id"],
+        )  # fmt: skip
+        if not p.final:
+            s.send(pb.ServerMessage(cancel=pb.Cancel(task_id=ev.task_id, fencing_token=ev.fencing_token, reason="stale attempt")))
+
+    def _answer(self, s: Session, p: Pending, *, applied: bool) -> None:
+        """What the node hears once its report is settled: Accepted when its provisioning was just
+        recorded (it may start the attempt), and an Ack for every end (it may forget it)."""
+        if applied and p.kind == protocol.PROVISIONING:
+            accepted(s, p.event.task_id, p.event.fencing_token)
+        if p.final:
+            s.send(pb.ServerMessage(ack=pb.Ack(task_id=p.event.task_id, fencing_token=p.event.fencing_token)))
+
+
+class ReleaseProofs:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        # release proofs received and not yet recorded: (task, token, node, backend ref, released at)
+        self._proofs: list[tuple[uuid.UUID, int, str, str, float]] = []
+        self._proofs_ready = asyncio.Event()
+
+    async def loop(self) -> None:
+        """Record nodes' release proofs: every proof received since the last pass in one statement.
+        A proof is a compare-and-set on its attempt (task, token, node), so recording one twice, or
+        after the node-loss policy released the attempt, changes nothing."""
+        delay = 0.05
+        while True:
+            await self._proofs_ready.wait()
+            self._proofs_ready.clear()
+            pending, self._proofs = self._proofs, []
+            if not pending:
+                continue
+            try:
+                accepted = await self.store.release_proofs(pending)
+            except StoreUnavailable as e:
+                log.warning("%d release proofs not recorded yet: %s", len(pending), e)
+                self._proofs = pending + self._proofs
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                self._proofs_ready.set()
+                continue
+            delay = 0.05
+            metrics.RELEASE_PROOFS.labels("accepted").inc(len(accepted))
+            metrics.RELEASE_PROOFS.labels("refused").inc(len(pending) - len(accepted))
+            taken = {(t, tok) for t, tok, _freed in accepted}
+            for tid, tok, node_id, _ref, _at in pending:
+                if (tid, tok) not in taken:
+                    log.info("node %s: release proof for task %s token %d refused (not its attempt, or already released)",
+                             node_id, tid, tok)  # fmt: skip
+
+    def add(self, s: Session, proof: pb.ReleaseProof) -> None:
+        try:
+            tid = uuid.UUID(proof.task_id)
+        except ValueError:
+            log.warning("node %s sent a release proof for a malformed task id %r", s.node_id, proof.task_id)
+            return
+        # the node's clock is only recorded, never compared; a value that is no time at all is dropped
+        at = proof.released_at if math.isfinite(proof.released_at) and 0 <= proof.released_at < 1e11 else 0.0
+        self._proofs.append((tid, proof.fencing_token, s.node_id, proof.backend_ref, at))
+        self._proofs_ready.set()

@@ -1,0 +1,165 @@
+"""The dispatch loop: claims queued tasks and places them, woken by its own tick or by the database
+saying something placement cares about changed (a task queued, room freed, a node joined:
+NOTIFY podium_dispatch).
+
+It keeps what placement knows of the connected nodes between ticks (folding in only the rows changed
+since its last read), lets the pure `Placer` choose, and hands the choices to `Store.dispatch`, which
+makes them durable in one transaction — each a compare-and-set on the queued task and a conditional
+reservation on its node. It never transitions a task from what it remembers: the snapshots only
+choose, the store decides whether the choice still holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from podium import metrics
+from podium.placement import NodeSnapshot, Placer, Requirements, Resources, Unplaceable
+from podium.scheduler.woken import WokenLoop
+from podium.store import Store
+from podium.store.db import DispatchOutcome, PlacementDecision
+from podium.timing import Timing
+
+log = logging.getLogger(__name__)
+
+WINDOW_POLL = 0.02  # seconds between looks at a full assignment window
+FULL_NODE_READ_EVERY = 60.0  # seconds between reads of every node row (in between: changed rows only)
+
+
+def node_snapshot(row: Mapping[str, Any]) -> NodeSnapshot:
+    in_use = set(row["gpus_in_use"] or ())
+    return NodeSnapshot(
+        id=row["id"],
+        name=row["name"],
+        connected=row["connected"],
+        health=row["health"],
+        draining=row["draining"],
+        pool=row["pool"],
+        arch=row["arch"],
+        labels=row["labels"],
+        capabilities=frozenset(row["capabilities"]),
+        backends=frozenset(row["backends"]),
+        protocol_min=row["protocol_min"],
+        protocol_max=row["protocol_max"],
+        allocatable=Resources(
+            row["alloc_cpu_millis"], row["alloc_memory_bytes"], row["alloc_disk_bytes"], row["alloc_gpus"], row["alloc_slots"]
+        ),
+        reserved=Resources(
+            row["res_cpu_millis"], row["res_memory_bytes"], row["res_disk_bytes"], row["res_gpus"], row["res_slots"]
+        ),
+        artifacts=frozenset(row["artifacts"]),
+        gpu_free=tuple(g for g in sorted(row["gpu_indexes"]) if g not in in_use),
+        egress_contexts=frozenset(row["egress_contexts"]),
+    )
+
+
+def requirements(
+    spec: dict[str, Any], cpu: int, memory: int, disk: int, gpus: int, avoid: list[str] | None = None,
+    image_digest: str | None = None,
+) -> Requirements:
+    # A node already holding the digest the task's image was pinned to comes first (locality).
+    preferred = tuple(spec.get("preferred_artifacts") or ())
+    if image_digest and image_digest not in preferred:
+        preferred = (image_digest, *preferred)
+    return Requirements(
+        resources=Resources(cpu, memory, disk, gpus, 1),
+        labels=spec.get("labels") or {},
+        pool=spec.get("pool"),
+        arch=spec.get("arch"),
+        capabilities=frozenset(spec.get("capabilities") or ()),
+        backend=spec.get("backend", "process"),
+        protocol=spec.get("protocol", 1),
+        preferred_artifacts=preferred,
+        home_node=spec.get("home_node"),
+        avoid_nodes=frozenset(avoid or ()),
+        egress=spec.get("egress"),
+    )
+
+
+class Dispatcher:
+    def __init__(self, store: Store, timing: Timing, *, actor: str, policy_name: str = "spread") -> None:
+        self.store = store
+        self.timing = timing
+        self.actor = actor
+        self.policy_name = policy_name
+        self.loop = WokenLoop("dispatch", store, "podium_dispatch", timing.tick, self._pass)
+        # What placement knows of the connected nodes between ticks, and the snapshot horizon of the
+        # read that brought it up to date (None: read them all next time).
+        self._snaps: dict[str, NodeSnapshot] = {}
+        self._horizon: int | None = None
+        self._nodes_read_all_at = float("-inf")
+
+    async def _pass(self) -> float | None:
+        outcome = await self.dispatch_once()
+        if outcome.window_full:
+            # Nodes are behind on accepting what they were given; nothing wakes us when they
+            # catch up, so look again soon rather than at the next tick.
+            return min(self.timing.tick, WINDOW_POLL)
+        if outcome.claimed >= outcome.limit and outcome.assigned:
+            return 0  # more may be waiting: don't sleep between full batches
+        return None
+
+    async def dispatch_once(self) -> DispatchOutcome:
+        in_flight = await self.store.assigned_in_flight(self.timing.assign_window)
+        limit = min(self.timing.claim_limit, self.timing.assign_window - in_flight)
+        if limit <= 0:
+            metrics.DISPATCH_WINDOW_FULL.inc()
+            return DispatchOutcome(window_full=True)
+        with metrics.DISPATCH_SECONDS.time():
+            outcome = await self._dispatch(limit)
+        metrics.PLACEMENTS.inc(len(outcome.assigned))
+        outcome.limit = limit
+        return outcome
+
+    async def _dispatch(self, limit: int) -> DispatchOutcome:
+        now = asyncio.get_running_loop().time()
+        if now - self._nodes_read_all_at > FULL_NODE_READ_EVERY:
+            self._horizon = None  # read every node again now and then: cheap insurance
+        return await self.store.dispatch(
+            claim_limit=limit,
+            accept_seconds=self.timing.provisioning_deadline,
+            lease_seconds=self.timing.lease_ttl,
+            decide=self.decide,
+            actor=self.actor,
+            nodes_since=self._horizon,
+        )
+
+    def _remember_nodes(self, changed: list[Mapping[str, Any]], horizon: int) -> None:
+        """Fold the node rows changed since the last read into the snapshots kept between ticks."""
+        if self._horizon is None:
+            self._snaps = {}
+            self._nodes_read_all_at = asyncio.get_running_loop().time()
+        for row in changed:
+            if row["connected"] and row["revoked_at"] is None:
+                self._snaps[row["id"]] = node_snapshot(row)
+            else:
+                self._snaps.pop(row["id"], None)
+        self._horizon = horizon
+
+    def decide(
+        self, tasks: list[Mapping[str, Any]], changed: list[Mapping[str, Any]], horizon: int
+    ) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
+        """Pure once the rows are read: the Placer sees every connected node (kept between ticks,
+        with the rows changed since the last read folded in) and reserves as it goes."""
+        self._remember_nodes(changed, horizon)
+        placer = Placer([self._snaps[k] for k in sorted(self._snaps)], policy=self.policy_name)
+        placed: list[PlacementDecision] = []
+        unplaced: dict[uuid.UUID, str] = {}
+        for t in tasks:
+            req = requirements(
+                t["spec"], t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], t["avoid"], t["image_digest"]
+            )
+            result = placer.place(req)
+            if isinstance(result, Unplaceable):
+                unplaced[t["id"]] = result.reason
+            else:
+                placed.append(
+                    PlacementDecision(
+                        t["id"], result.node_id, t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], result.gpu_indexes
+                    )
+                )
+        return placed, unplaced
