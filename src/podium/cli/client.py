@@ -17,6 +17,7 @@ import ssl
 
 import httpx
 
+from podium.cli.base import CliError
 from podium.client import connection, token_file
 
 __all__ = ["CliError", "Client", "Listing", "token_file"]
@@ -36,14 +37,6 @@ class Listing:
 
     rows: list[dict[str, Any]]
     remaining: str = "0"
-
-
-class CliError(Exception):
-    """An error the CLI prints as one line and exits non-zero on."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Client:
