@@ -11,8 +11,7 @@ from typing import Annotated
 import typer
 
 from podium.cli import render
-from podium.cli.base import CliError, JsonOpt, ServerOpt, app, err, out, registry_app, secret_app, token_app
-from podium.cli.client import Client
+from podium.cli.base import CliError, JsonOpt, ServerOpt, app, connect, err, out, registry_app, secret_app, token_app
 
 
 @token_app.command("create")
@@ -24,7 +23,7 @@ def token_create(
     """Create a token; it is printed once and never shown again."""
     if role not in ("admin", "operator", "viewer", "join"):
         raise CliError(f"--role must be admin, operator, viewer or join, not {role!r}")
-    r = Client(server).create_token(name, role)
+    r = connect(server).create_token(name, role)
     err.print(f"token {r['id']} ({r['role']}) created; it is shown only now:", markup=False)
     print(r["token"])
 
@@ -33,7 +32,7 @@ def token_create(
 def token_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
     """Tokens (ids, names, roles; never values)."""
     render.show(
-        Client(server).tokens(), json_out, ("ID", "NAME", "ROLE", "CREATED", "BY", "REVOKED"),
+        connect(server).tokens(), json_out, ("ID", "NAME", "ROLE", "CREATED", "BY", "REVOKED"),
         lambda r: (r["id"], r["name"], r["role"], render.when(r["created_at"]), r["created_by"], render.when(r["revoked_at"])),
     )  # fmt: skip
 
@@ -41,7 +40,7 @@ def token_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
 @token_app.command("revoke")
 def token_revoke(token_id: str, server: ServerOpt = None) -> None:
     """Revoke a token; it stops working at once."""
-    r = Client(server).revoke_token(token_id)
+    r = connect(server).revoke_token(token_id)
     out.print(f"token {r['id']} ({r['name']}) revoked", markup=False)
 
 
@@ -71,7 +70,7 @@ def secret_set(
     value = value.removesuffix("\n")
     if not value:
         raise CliError("the secret value is empty")
-    r = Client(server).set_secret(name, value)
+    r = connect(server).set_secret(name, value)
     out.print(f"secret {r['name']} is at version {r['version']}", markup=False)
 
 
@@ -79,7 +78,7 @@ def secret_set(
 def secret_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
     """Secrets: names, versions and times; never values."""
     render.show(
-        Client(server).secrets(), json_out, ("NAME", "VERSION", "UPDATED", "BY"),
+        connect(server).secrets(), json_out, ("NAME", "VERSION", "UPDATED", "BY"),
         lambda r: (r["name"], str(r["version"]), render.when(r["updated_at"]), r["updated_by"]),
     )  # fmt: skip
 
@@ -87,7 +86,7 @@ def secret_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
 @secret_app.command("rm")
 def secret_rm(name: str, server: ServerOpt = None) -> None:
     """Delete a secret."""
-    Client(server).delete_secret(name)
+    connect(server).delete_secret(name)
     out.print(f"secret {name} deleted", markup=False)
 
 
@@ -102,7 +101,7 @@ def registry_login(
     password = _from_stdin(f"password for {username}@{host}: ").removesuffix("\n")
     if not password:
         raise CliError("the password is empty")
-    Client(server).registry_login(host, username, password)
+    connect(server).registry_login(host, username, password)
     out.print(f"login for {host} stored", markup=False)
 
 
@@ -114,8 +113,8 @@ def audit(
     json_out: JsonOpt = False,
 ) -> None:
     """Who did what, newest first (admin)."""
-    listing = Client(server).audit(None if all_ else limit)
+    listing = connect(server).audit(None if all_ else limit)
     render.show(
-        listing.rows, json_out, ("AT", "ACTOR", "ACTION", "TARGET"),
+        listing, json_out, ("AT", "ACTOR", "ACTION", "TARGET"),
         lambda r: (render.when(r["at"]), r["actor"], r["action"], r["target"] or ""), listing.remaining,
     )  # fmt: skip

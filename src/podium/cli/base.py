@@ -1,6 +1,7 @@
 """What every `podium` command shares: the Typer app and its groups, the two consoles, the common
-options, the exit codes, and the parsers that turn a user's flags and spec files into a request
-(each error a `CliError`, one line). It must never talk to a server or start anything."""
+options, the exit codes, the parsers that turn a user's flags and spec files into a request (each
+error a `CliError`, one line), and `connect`: the operator commands' `podium.Client`, found as every
+client finds the server and token. It must never build a request itself or start anything."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import yaml
 from pydantic import ValidationError
 from rich.console import Console
 
+from podium.client import Client
 from podium.spec import SubmitRequest, parse_label_pairs
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Podium: run work on a fleet of machines and know the truth about it.")
@@ -55,6 +57,16 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
         self.code = code
+
+
+OVERLOAD_PATIENCE = 120.0  # seconds the CLI keeps re-sending a request an overloaded server refused
+
+
+def connect(server: str | None) -> Client:
+    """The client an operator command talks through. An overloaded server refuses with 429 and
+    stores nothing: wait as it asks and send again, for up to OVERLOAD_PATIENCE, telling the user once."""
+    return Client(server, overload_patience=OVERLOAD_PATIENCE,
+                  on_overload=lambda: sys.stderr.write("the server is overloaded; waiting to submit again...\n"))  # fmt: skip
 
 
 def default_data_dir() -> Path:

@@ -10,8 +10,7 @@ import typer
 from rich.markup import escape
 
 from podium.cli import render
-from podium.cli.base import CliError, JsonOpt, ServerOpt, app, labels, out, parse
-from podium.cli.client import Client
+from podium.cli.base import CliError, JsonOpt, ServerOpt, app, connect, labels, out, parse
 from podium.units import format_cpu, format_size, parse_duration
 
 
@@ -23,8 +22,8 @@ def nodes(
     json_out: JsonOpt = False,
 ) -> None:
     """List nodes with their health and capacity."""
-    listing = Client(server).nodes(None if all_ else limit)
-    rows = listing.rows
+    listing = connect(server).nodes(None if all_ else limit)
+    rows = [n.raw for n in listing]
     # The sandbox columns only when some node has something to say in them: a fleet of plain process
     # nodes keeps the table narrow enough for a terminal (a cut-off cell would hide what it says).
     extra = {
@@ -55,7 +54,7 @@ def nodes(
 @app.command("node-history")
 def node_history(node: str, server: ServerOpt = None, json_out: JsonOpt = False) -> None:
     """What happened to a node: agent processes that took its identity over, attempts handed over."""
-    client = Client(server)
+    client = connect(server)
     rows: list[dict[str, Any]] = []
     while page := client.node_events(node, rows[-1]["id"] if rows else 0):
         rows += page
@@ -80,8 +79,8 @@ def drain(
     """Stop placing new work on a node; what it runs finishes (or, past --deadline, is requeued or lost)."""
     if deadline is not None:
         parse(parse_duration, deadline, "--deadline")
-    client = Client(server)
-    n = client.drain(node, True, deadline)
+    client = connect(server)
+    n = client.drain(node, True, deadline).raw
     out.print(f"node {n['name']} ({n['id']}) is {n.get('drain_phase', 'draining')}", markup=False)
     if not wait:
         return
@@ -90,14 +89,14 @@ def drain(
         if n.get("drain_phase") == "active":
             raise CliError(f"node {n['name']} was undrained while waiting for it to drain")
         time.sleep(1.0)
-        n = client.node(n["id"])
+        n = client.node(n["id"]).raw
     out.print(f"node {n['name']} ({n['id']}) is drained: nothing runs there, safe to power off", markup=False)
 
 
 @app.command()
 def undrain(node: str, server: ServerOpt = None) -> None:
     """Let a drained node take new work again."""
-    n = Client(server).drain(node, False)
+    n = connect(server).drain(node, False).raw
     out.print(f"node {n['name']} ({n['id']}) takes work again", markup=False)
 
 
@@ -108,14 +107,14 @@ def label(
     server: ServerOpt = None,
 ) -> None:
     """Change a node's labels (kubectl style: zone=eu-1 sets, zone- removes)."""
-    client = Client(server)
-    current = dict(client.node(node)["labels"])
+    client = connect(server)
+    current = dict(client.node(node).labels)
     for change in changes:
         if change.endswith("-") and "=" not in change:
             current.pop(change[:-1], None)
         else:
             current.update(labels([change]))
-    n = client.set_labels(node, current)
+    n = client.set_labels(node, current).raw
     out.print(f"node {n['name']} ({n['id']}): " + (",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())) or "no labels"),
               markup=False)  # fmt: skip
 
@@ -123,5 +122,5 @@ def label(
 @app.command()
 def revoke(node: str, server: ServerOpt = None) -> None:
     """Remove a node from the fleet for good: its stream is closed and it can never rejoin."""
-    n = Client(server).revoke_node(node)
+    n = connect(server).revoke_node(node).raw
     out.print(f"node {n['name']} ({n['id']}) removed", markup=False)

@@ -21,7 +21,7 @@ from rich.markup import escape
 from podium.cli.base import (
     EXIT_BUSY, EXIT_REFUSED, EXIT_SUPERSEDED, CliError, app, db_app, default_data_dir, err, labels, out, parse, setup_logging,
 )  # fmt: skip
-from podium.cli.client import Client, token_file
+from podium.client import Client, LogChunk, PodiumError, token_file
 from podium.units import parse_cpu, parse_duration, parse_size
 
 @app.command()
@@ -309,25 +309,21 @@ def _me() -> str:
 def _demo(addr: str, t0: float) -> None:
     client = Client(addr)
     try:
-        resp = client.submit({
-            "name": "hello",
-            "command": ["sh", "-c", "echo hello from podium on $(hostname); for i in 1 2 3; do echo step $i; sleep 0.2; done"],
-        })  # fmt: skip
-        tid = resp["task"]["id"]
+        tid = client.submit(name="hello", command=[
+            "sh", "-c", "echo hello from podium on $(hostname); for i in 1 2 3; do echo step $i; sleep 0.2; done"]).id
         out.print(f"[bold]Submitted a first task[/] {tid}; its output:")
         running_at = None
         for item in client.follow(tid):
-            if "chunk" in item:
+            if isinstance(item, LogChunk):
                 running_at = running_at or time.monotonic()
-                for line in item["chunk"]["data"].rstrip("\n").split("\n"):
+                for line in item.data.rstrip("\n").split("\n"):
                     out.print("  │ " + line, markup=False, highlight=False)
-            elif "end" in item:
-                e = item["end"]
-                out.print(f"  └ task {e['state']} with exit code {e['exit_code']}")
+            else:
+                out.print(f"  └ task {item.state} with exit code {item.exit_code}")
         if running_at:
             out.print(f"  (first output {running_at - t0:.2f}s after `podium dev` started)")
         out.print(f"  See it again: PODIUM_ADDR={addr} {escape(_me())} show {tid}", soft_wrap=True)
-    except CliError as e:
+    except PodiumError as e:
         err.print(f"demo: {e}", markup=False)
 
 

@@ -14,6 +14,8 @@ import sys
 import typer
 from rich.text import Text
 
+from podium.client import PodiumError
+
 # Importing a command module registers its commands on `app`, in the order `podium --help` lists them.
 # isort: off
 from podium.cli import launch, tasks, fleet, specs, admin  # noqa: F401
@@ -64,6 +66,9 @@ def _main() -> None:
     except CliError as e:
         _error(str(e))
         sys.exit(e.code)
+    except PodiumError as e:  # the server refused, or could not be reached: its sentence, as it is
+        _error(str(e) + (" (set PODIUM_TOKEN to an operator token)" if e.status == 401 else ""))
+        sys.exit(1)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:

@@ -7,8 +7,7 @@ from typing import Annotated
 import typer
 
 from podium.cli import render
-from podium.cli.base import JsonOpt, ServerOpt, out, read_spec, spec_app, validate
-from podium.cli.client import Client
+from podium.cli.base import JsonOpt, ServerOpt, connect, out, read_spec, spec_app, validate
 from podium.cli.tasks import attach
 
 
@@ -17,21 +16,21 @@ def spec_put(name: str, file: Annotated[str, typer.Argument(help="a YAML or JSON
     """Store a new revision of a named spec."""
     body = read_spec(file)
     validate(body)
-    r = Client(server).put_spec(name, body)
+    r = connect(server).put_spec(name, body)
     out.print(f"spec {r['name']} is at revision {r['revision']}", markup=False)
 
 
 @spec_app.command("show")
 def spec_show(name: str, revision: Annotated[int | None, typer.Option(min=1)] = None, server: ServerOpt = None) -> None:
     """A named spec (the latest revision, or --revision N)."""
-    render.print_json(Client(server).spec(name, revision))
+    render.print_json(connect(server).spec(name, revision))
 
 
 @spec_app.command("ls")
 def spec_ls(server: ServerOpt = None, json_out: JsonOpt = False) -> None:
     """Every named spec at its latest revision."""
     render.show(
-        Client(server).specs(), json_out, ("NAME", "REVISION", "CREATED", "COMMAND"),
+        connect(server).specs(), json_out, ("NAME", "REVISION", "CREATED", "COMMAND"),
         lambda r: (r["name"], str(r["revision"]), render.when(r["created_at"]), " ".join(r["spec"].get("command") or [])),
     )  # fmt: skip
 
@@ -45,8 +44,8 @@ def spec_run(
     server: ServerOpt = None,
 ) -> None:
     """Run a named spec; with --revision, only if nobody changed it since you read it."""
-    client = Client(server)
-    tid = client.submit_spec(name, revision, idempotency_key)["task"]["id"]
+    client = connect(server)
+    tid = client.submit_spec(name, revision, idempotency_key).id
     if detach:
         print(tid)
         return

@@ -13,9 +13,9 @@ from rich.text import Text
 from podium.cli import render
 from podium.cli.base import (
     EXIT_CANCELLED, EXIT_NO_RUNNER, EXIT_OTHER, EXIT_TIMEOUT, CliError, JsonOpt, ServerOpt, app, err, labels, out, parse, read_spec,
-    validate,
+    connect, validate,
 )  # fmt: skip
-from podium.cli.client import Client
+from podium.client import Client, LogChunk, TaskEnd
 from podium.units import format_cpu, format_size, parse_cpu, parse_duration, parse_size
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -83,9 +83,8 @@ def run(
         body["secrets"] = [_secret_ref(x) for x in secret]
     if idempotency_key:
         body["idempotency_key"] = idempotency_key
-    client = Client(server)
-    resp = client.submit(validate(body))
-    tid = resp["task"]["id"]
+    client = connect(server)
+    tid = client.submit(spec=validate(body)).id
     if detach:
         print(tid)
         return
@@ -104,39 +103,38 @@ def _split_env(pair: str) -> tuple[str, str]:
     return k, v
 
 
-def _write_output(c: dict[str, Any]) -> None:
+def _write_output(c: LogChunk) -> None:
     """A chunk's bytes exactly as the task wrote them (no decoding), on the stream it wrote them to."""
-    f = sys.stdout if c["stream"] == "stdout" else sys.stderr
+    f = sys.stdout if c.stream == "stdout" else sys.stderr
     f.flush()
     buf = getattr(f, "buffer", None)
     if buf is None:
-        f.write(c["data"])
+        f.write(c.data)
     else:
-        buf.write(c["raw"])
+        buf.write(c.raw)
         buf.flush()
 
 
 def attach(client: Client, tid: str) -> int:
-    """Stream a task's output until it ends; Ctrl-C cancels it. Returns the exit code to use."""
+    """Stream a task's output until it ends (the server's log stream, resumed where it broke off
+    if the connection or the server goes away); Ctrl-C cancels it. Returns the exit code to use."""
+    end = TaskEnd("", None, None)
     try:
-        end: dict[str, Any] = {}
         for item in client.follow(tid):
-            if "chunk" in item:
-                _write_output(item["chunk"])
-            elif "end" in item:
-                end = item["end"]
+            if isinstance(item, LogChunk):
+                _write_output(item)
+            else:
+                end = item
     except KeyboardInterrupt:
         err.print(f"cancelling task {tid} …")
         client.cancel(tid)
-        end = {}
         for item in client.follow(tid):
-            if "end" in item:
-                end = item["end"]
-    state = end.get("state")
-    code = end.get("exit_code")
+            if isinstance(item, TaskEnd):
+                end = item
+    state, code = end.state or None, end.exit_code
     if state == "succeeded":
         return 0
-    reason = end.get("reason") or ""
+    reason = end.reason or ""
     err.print(f"task {tid} {state}" + (f": {reason}" if reason else "") + (f" (exit code {code})" if code is not None else ""),
               markup=False)  # fmt: skip
     if state == "failed" and code is not None and reason != "timeout":
@@ -160,13 +158,13 @@ def submit(
     """Submit a task from a spec file; prints its id."""
     body = read_spec(file)
     if check:
-        _check(Client(server).check(validate(body)), json_out)
+        _check(connect(server).check(validate(body)), json_out)
         return
-    resp = Client(server).submit(validate(body))
+    task = connect(server).submit(spec=validate(body))
     if json_out:
-        render.print_json(resp)
+        render.print_json({"task": task.raw, "created": task.created})
     else:
-        print(resp["task"]["id"])
+        print(task.id)
 
 
 def _check(resp: dict[str, Any], json_out: bool) -> None:
@@ -193,10 +191,11 @@ def ls(
     json_out: JsonOpt = False,
 ) -> None:
     """List tasks, newest first; a last line says how many more there are."""
-    listing = Client(server).tasks(state=state, node=node, limit=None if all_ else limit)
-    short = render.short_ids([r["id"] for r in listing.rows], wide)
+    listing = connect(server).tasks(state=state, node=node, limit=None if all_ else limit)
+    rows = [t.raw for t in listing]
+    short = render.short_ids([r["id"] for r in rows], wide)
     render.show(
-        listing.rows, json_out, ("ID", "NAME", "STATE", "EXIT", "NODE", "ATTEMPTS", "CREATED", "REASON"),
+        rows, json_out, ("ID", "NAME", "STATE", "EXIT", "NODE", "ATTEMPTS", "CREATED", "REASON"),
         lambda r: (short[r["id"]], r["name"] or "", render.state(r["state"]), "" if r["exit_code"] is None else str(r["exit_code"]),
                    r["node_id"] or (r["terminal"] and r.get("last_node_id")) or "",
                    f"{r['attempts']}/{r['max_attempts']}", render.when(r["created_at"]), r["reason"] or ""),
@@ -207,7 +206,7 @@ def ls(
 @app.command()
 def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> None:
     """A task: its state and reason, every attempt and the full event history."""
-    d = Client(server).task(task_id)
+    d = connect(server).task(task_id).raw
     if json_out:
         render.print_json(d)
         return
@@ -265,13 +264,7 @@ def logs(
     server: ServerOpt = None,
 ) -> None:
     """A task's output (stdout and stderr, every attempt)."""
-    client = Client(server)
-    if follow:
-        for item in client.follow(task_id):
-            if "chunk" in item:
-                _write_output(item["chunk"])
-        return
-    for c in client.output(task_id):
+    for c in connect(server).logs(task_id, follow=follow):
         _write_output(c)
 
 
@@ -284,7 +277,7 @@ def cancel(
     json_out: JsonOpt = False,
 ) -> None:
     """Cancel a task (a running one gets SIGTERM, then SIGKILL after the grace)."""
-    r = Client(server).cancel(task_id, if_revision)
+    r = connect(server).cancel(task_id, if_revision).raw
     if json_out:
         render.print_json(r)
     else:
@@ -294,7 +287,7 @@ def cancel(
 @app.command()
 def explain(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> None:
     """Why is my task still queued? Every node with the first check it fails, or its score."""
-    d = Client(server).explain(task_id)
+    d = connect(server).explain(task_id)
     if json_out:
         render.print_json(d)
         return
