@@ -195,3 +195,37 @@ def test_output_survives_a_server_killed_mid_output(cluster: Cluster, tmp_path: 
     # the follower lost its server and resumed where it was: nothing twice, nothing missing
     assert follower.returncode == 0, ferr
     assert sha(followed) == sha(expected)
+
+
+def test_podium_run_survives_a_server_restart_mid_output(cluster: Cluster, tmp_path: Path) -> None:
+    """`podium run` follows the server's log stream; killed and restarted under it, the stream is
+    resumed after the last chunk it printed: the bytes exact, none twice, and the task's exit code."""
+    srv = cluster.server()
+    cluster.agent("a1")
+    stop, written = tmp_path / "stop", tmp_path / "written"
+    script = (f"( i=0; while [ ! -e {stop} ]; do i=$((i+1)); echo before $i; sleep 0.005; done; "
+              f"seq 1 20000 | sed 's/^/after /'; printf '\\377\\376 no newline' ) | tee {written}; exit 7")  # fmt: skip
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "podium", "run", "--name", "restarted", "--", "sh", "-c", script],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=base_env(PODIUM_ADDR=srv.api, PODIUM_TOKEN=ADMIN_TOKENS[srv.api]),
+    )  # fmt: skip
+    try:
+        wait_for(lambda: written.exists() and written.stat().st_size > 2000, 60, what="the task writing output")
+        srv.signal(signal.SIGKILL)
+        srv.p.wait(10)  # type: ignore[union-attr]
+        at_kill = written.stat().st_size
+        wait_for(lambda: written.stat().st_size > at_kill + 2000, 60, what="output written while the server is down")
+        cluster.server(port=srv.port, grpc_port=srv.grpc_port)
+        tid = wait_for(lambda: next(iter(cluster.api.http.get("/v1/tasks", params={"name": "restarted"}).json()), None), 60,
+                       what="the restarted server")  # fmt: skip
+        stop.touch()
+        assert cluster.api.wait_state(tid["id"], TERMINAL, 120)["exit_code"] == 7
+        followed, ferr = runner.communicate(timeout=120)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
+    expected = written.read_bytes()
+    assert expected.endswith(b"after 20000\n\xff\xfe no newline")
+    assert runner.returncode == 7, ferr
+    assert sha(followed) == sha(expected), (len(followed), len(expected))

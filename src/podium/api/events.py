@@ -17,13 +17,14 @@ This module only reads: it must never change a task or a node.
 from __future__ import annotations
 
 import asyncio
+import base64
 import bisect
 import contextlib
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
@@ -377,10 +378,13 @@ def router() -> APIRouter:
         request: Request,
         task_id: str,
         after: Annotated[int | None, Query(ge=0, description="resume after this chunk id")] = None,
+        encoding: Annotated[Literal["utf-8", "base64"], Query(description="how `data` carries the bytes (base64: exactly)")] = "utf-8",
         last_event_id: Annotated[str | None, Header(max_length=32)] = None,
     ) -> StreamingResponse:
         """A task's output as server-sent events (`chunk`, id = the chunk id) until it ends (`end`:
-        state, exit code, reason). Resumable with `Last-Event-ID` or `?after=`."""
+        state, exit code, reason). Resumable with `Last-Event-ID` or `?after=`: every chunk after
+        that one, in the order written, none twice, across server restarts. With `encoding=base64`
+        each chunk's `data` is its bytes exactly (`podium run` and the client read it so)."""
         app = request.app
         await app.state.sessions.caller(request, Role.VIEWER)
         tid = _task_id(task_id)
@@ -389,8 +393,9 @@ def router() -> APIRouter:
         start = _after(last_event_id, after)
 
         def chunk(row: Any) -> bytes:
-            data = {"id": row["id"], "attempt": row["attempt"], "stream": row["stream"],
-                    "data": bytes(row["data"]).decode("utf-8", errors="replace")}  # fmt: skip
+            raw = bytes(row["data"])
+            text = base64.b64encode(raw).decode() if encoding == "base64" else raw.decode("utf-8", errors="replace")
+            data = {"id": row["id"], "attempt": row["attempt"], "stream": row["stream"], "data": text}
             return sse("chunk", json.dumps(data), row["id"])
 
         def end(task: Any) -> bytes:
