@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from podium.cli.client import Client, CliError, Listing, token_file
+from podium.cli.contract import print_attempt_record
 from podium.spec import SubmitRequest, parse_label_pairs
 from podium.units import format_cpu, format_size, parse_cpu, parse_duration, parse_size
 
@@ -718,6 +719,7 @@ def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> N
                 out.print(f"  attempt {a['attempt']}: {a['failure_detail']}", markup=False, highlight=False)
             if a.get("finished_at") and not a.get("released", True):
                 out.print(f"  attempt {a['attempt']}: its capacity is held until its sandbox is proven removed")
+            print_attempt_record(out, a)
     t = _Table(title="events", box=None, title_justify="left")
     for col in ("AT", "FROM", "TO", "TOKEN", "BY", "CLASS", "REASON"):
         t.add_column(col)

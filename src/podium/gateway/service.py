@@ -31,6 +31,7 @@ from podium.scheduler.service import Scheduler, facts
 from podium.security.secretbox import SecretUnreadable
 from podium.security.service import SecretMissing, Security
 from podium.states import TaskState
+from podium.gateway.snapshots import check_materializations, hello_facts
 from podium.store import Change, Store
 from podium.timing import Timing
 from podium import reasons
@@ -430,7 +431,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message on a stream must be a Hello")
             return
         hello = first.hello
-        problem = _check_hello(hello)
+        problem = _check_hello(hello) or check_materializations(hello)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
             return
@@ -456,7 +457,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 disk_bytes=c.disk_bytes, gpus=c.gpus, slots=c.slots, gateway_id=self.server_id,
                 agent_version=hello.agent_version, instance_id=hello.instance_id, peer=context.peer() or "",
                 handover_after=self.handover_after, egress_contexts=_egress_of(hello),
-                enforces_limits=hello.enforces_limits,
+                enforces_limits=hello.enforces_limits, **hello_facts(hello),
             )  # fmt: skip
         except StoreUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server cannot reach its database: {e}")

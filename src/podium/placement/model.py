@@ -101,6 +101,19 @@ class NodeSnapshot:
         if type(self.artifacts) is not frozenset:
             object.__setattr__(self, "artifacts", frozenset(self.artifacts))
 
+    def capability_snapshot(self) -> dict[str, object]:
+        """What placement knew of the node's capabilities when it chose it, as plain JSON: an
+        assignment keeps it, so a placement can be audited after the node has changed."""
+        return {
+            "pool": self.pool,
+            "arch": self.arch,
+            "labels": dict(self.labels),
+            "capabilities": sorted(self.capabilities),
+            "backends": sorted(self.backends),
+            "egress_contexts": sorted(self.egress_contexts),
+            "protocol": [self.protocol_min, self.protocol_max],
+        }
+
     def reserving(self, resources: Resources, gpu_indexes: tuple[int, ...] = ()) -> NodeSnapshot:
         """reserving is this node after a placement, so a caller (and the batch placer) can ask the
         next question against exactly what the previous answer left behind."""

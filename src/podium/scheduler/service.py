@@ -189,6 +189,7 @@ class Scheduler:
             decide=self.decide,
             actor=self.actor,
             nodes_since=self._horizon,
+            reconcile_seconds=self.timing.reconcile,
         )
 
     def _remember_nodes(self, changed: list[asyncpg.Record], horizon: int) -> None:
@@ -222,7 +223,8 @@ class Scheduler:
             else:
                 placed.append(
                     PlacementDecision(
-                        t["id"], result.node_id, t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], result.gpu_indexes
+                        t["id"], result.node_id, t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], result.gpu_indexes,
+                        self._snaps[result.node_id].capability_snapshot(),
                     )
                 )
         return placed, unplaced
