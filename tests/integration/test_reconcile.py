@@ -142,3 +142,14 @@ async def test_doubt_waits_a_disconnected_node_and_a_handover(store: Store) -> N
     await reconciler(store, "r").once()
     assert (await store.get_task(tid))["state"] == "running"
     assert (await attempt(store, tid))["last_reconcile_result"] == reasons.RECONCILED_HANDOVER
+
+
+async def test_a_retry_records_its_place_in_the_budget(store: Store) -> None:
+    await add_node(store, "n1")
+    tid = await placed(store, max_attempts=3)
+    row = await store.get_task(tid)
+    assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.QUEUED, actor="t", end_attempt="revoked",
+                                       fencing_token=row["fencing_token"])  # fmt: skip
+    await place(store)
+    a = await attempt(store, tid)
+    assert (a["attempt"], a["retry_count"], a["retry_limit"]) == (2, 1, 2)
