@@ -31,6 +31,9 @@ NO_DISK = "no online node has enough free disk for this task"
 NO_GPU = "no online node has enough free GPUs for this task"
 WAITING = "waiting for the scheduler to place this task"
 NO_EGRESS = "no online node can provide the network egress this task requires"
+# Capacity operations (seed Capacity.Operations): every node with room is already preparing (pulling,
+# creating) as many tasks as it allows at once; one is free again as soon as one of them runs.
+OPERATIONS_BUSY = "every node that could run this task is already preparing as many tasks as it allows at once"
 
 # --- ended or requeued: what the promises say when they fire -----------------------------------------
 CANCELLED = "cancelled by an operator"
@@ -88,6 +91,7 @@ QUEUED_REASONS = (
     NO_DISK,
     NO_GPU,
     FULL,
+    OPERATIONS_BUSY,
 )
 
 # --- resolving a container image's tag to a digest when the task is placed ---------------------------

@@ -177,6 +177,8 @@ class NodeOut(BaseModel):
     enforces_limits: bool  # its sandboxes enforce CPU and memory as limits
     releasing: ResourcesOut  # held by ended attempts until their sandboxes are proven gone (within reserved)
     instance_id: str | None = None  # the agent process that presents this node now
+    # how many tasks it prepares (pulls, creates) at once: an attempt is one until it runs
+    max_operations: int = 4
 
 
 
@@ -352,6 +354,7 @@ def node_out(r: Any, releasing: Any = None) -> NodeOut:
         instance_id=r.get("instance_id"),
         drain_phase=r.get("drain_phase") or ("draining" if r["draining"] else "active"),
         drain_deadline=r.get("drain_deadline"), revision=r.get("revision", 1),
+        max_operations=r.get("max_operations", 4),
     )  # fmt: skip
 
 

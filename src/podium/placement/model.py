@@ -89,6 +89,10 @@ class NodeSnapshot:
     # The network egress contexts the node can give a task ("none", "open"). A node that declares
     # nothing provides what any plain process has: an open network.
     egress_contexts: frozenset[str] = frozenset({"open"})
+    # Capacity operations (seed Capacity.Operations): how many provisioning operations (pulls,
+    # creates) the node runs at once, and how many it runs now (attempts assigned or provisioning).
+    max_operations: int = 4
+    operations: int = 0
 
     def __post_init__(self) -> None:
         # The placer hashes these; a plain set from a caller would break it but not select_node.
@@ -112,6 +116,7 @@ class NodeSnapshot:
             "backends": sorted(self.backends),
             "egress_contexts": sorted(self.egress_contexts),
             "protocol": [self.protocol_min, self.protocol_max],
+            "max_operations": self.max_operations,
         }
 
     def reserving(self, resources: Resources, gpu_indexes: tuple[int, ...] = ()) -> NodeSnapshot:
@@ -142,6 +147,8 @@ class NodeSnapshot:
             self.artifacts,
             gpu_free,
             self.egress_contexts,
+            self.max_operations,
+            self.operations + 1,  # every placement is one more operation until its attempt runs
         )
 
 

@@ -77,7 +77,21 @@ def node_snapshot(row: asyncpg.Record) -> NodeSnapshot:
         artifacts=frozenset(row["artifacts"]),
         gpu_free=tuple(g for g in sorted(row["gpu_indexes"]) if g not in in_use),
         egress_contexts=frozenset(row["egress_contexts"]),
+        max_operations=row["max_operations"],
     )
+
+
+def with_operations(snaps: dict[str, NodeSnapshot], operations: dict[str, int]) -> dict[str, NodeSnapshot]:
+    """The snapshots with each node's provisioning operations as counted now. A node row does not
+    change when an attempt starts running, so the count is read every tick rather than kept."""
+    out = snaps
+    for nid, snap in snaps.items():
+        now = operations.get(nid, 0)
+        if snap.operations != now:
+            if out is snaps:
+                out = dict(snaps)
+            out[nid] = dataclasses.replace(snap, operations=now)
+    return out
 
 
 def requirements(
@@ -205,11 +219,14 @@ class Scheduler:
         self._horizon = horizon
 
     def decide(
-        self, tasks: list[asyncpg.Record], changed: list[asyncpg.Record], horizon: int
+        self, tasks: list[asyncpg.Record], changed: list[asyncpg.Record], horizon: int, operations: dict[str, int] | None = None
     ) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
         """Pure once the rows are read: the Placer sees every connected node (kept between ticks,
-        with the rows changed since the last read folded in) and reserves as it goes."""
+        with the rows changed since the last read folded in, and the provisioning operations each
+        runs now) and reserves as it goes."""
         self._remember_nodes(changed, horizon)
+        if operations is not None:
+            self._snaps = with_operations(self._snaps, operations)
         placer = Placer([self._snaps[k] for k in sorted(self._snaps)], policy=self.policy_name)
         placed: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}

@@ -189,10 +189,11 @@ class NodeHello:
     materializations_before: list[dict[str, Any]] = field(default_factory=list)  # the node's, before this Hello
 
 
-# (claimed task rows, node rows changed since the caller's horizon, the new horizon)
-#   → (placements, {task: queued reason})
+# (claimed task rows, node rows changed since the caller's horizon, the new horizon, provisioning
+# operations per node now) → (placements, {task: queued reason})
 Decider = Callable[
-    [list[asyncpg.Record], list[asyncpg.Record], int], tuple[list[PlacementDecision], dict[uuid.UUID, str]]
+    [list[asyncpg.Record], list[asyncpg.Record], int, dict[str, int]],
+    tuple[list[PlacementDecision], dict[uuid.UUID, str]],
 ]
 
 
@@ -619,7 +620,8 @@ class Store:
             # the horizon first: whatever commits after it is read again next time
             horizon = await conn.fetchval(self.q["snapshot_horizon"])
             nodes = await conn.fetch(self.q["placement_nodes_changed"], nodes_since)
-            placements, unplaced = decide(tasks, nodes, horizon)
+            operations = {r["node_id"]: r["n"] for r in await conn.fetch(self.q["operations_in_flight"])}
+            placements, unplaced = decide(tasks, nodes, horizon, operations)
             out.unplaced = unplaced
             if placements:
                 per_node: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])

@@ -48,3 +48,9 @@ UPDATE nodes n SET hello_tokens = $2, max_operations = $3, materializations = $4
 FROM (SELECT materializations FROM nodes WHERE id = $1) old
 WHERE n.id = $1
 RETURNING old.materializations AS before
+
+-- operations_in_flight --
+-- Capacity operations: per node, the attempts that hold one now (assigned or provisioning, not ended).
+SELECT node_id, count(*)::int AS n FROM attempts
+WHERE finished_at IS NULL AND state IN ('assigned', 'provisioning')
+GROUP BY node_id

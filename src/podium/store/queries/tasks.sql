@@ -185,6 +185,10 @@ FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::int[], $6:
      AS d(id, cpu, mem, disk, gpus, slots)
 WHERE n.id = d.id
   AND n.connected AND n.health = 'online' AND NOT n.draining AND n.revoked_at IS NULL
+  -- capacity operations: every placement is one provisioning operation until its attempt runs;
+  -- counted from the attempts under the node's row lock (lock_nodes), so no two schedulers exceed it
+  AND (SELECT count(*) FROM attempts a WHERE a.node_id = n.id AND a.finished_at IS NULL
+         AND a.state IN ('assigned', 'provisioning')) + d.slots <= n.max_operations
   AND n.res_cpu_millis + d.cpu <= n.alloc_cpu_millis
   AND n.res_memory_bytes + d.mem <= n.alloc_memory_bytes
   AND n.res_disk_bytes + d.disk <= n.alloc_disk_bytes
