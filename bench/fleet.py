@@ -137,7 +137,7 @@ class Fleet:
             node_id=n.node_id, name=n.node_id, labels=n.labels, credential=n.credential or self.join_token,
             capacity=pb.Resources(cpu_millis=a.cpu_millis, memory_bytes=a.memory_bytes, slots=a.slots),
             backends=["process"], pool="default", arch="x86_64", protocol_min=1, protocol_max=1,
-            agent_version=AGENT_VERSION,
+            agent_version=AGENT_VERSION, max_operations=a.slots,  # a simulated node prepares nothing
             tasks=[pb.RunningTask(task_id=t.task_id, fencing_token=t.token, phase=t.phase) for t in n.attempts.values()],
         ))  # fmt: skip
 

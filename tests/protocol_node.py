@@ -29,7 +29,7 @@ class ProtocolNode:
             node_id=node_id, name=name or node_id, credential=credential, backends=list(backends),
             capacity=pb.Resources(cpu_millis=4000, memory_bytes=8 * 2**30, disk_bytes=2**34, slots=slots),
             protocol_min=1, protocol_max=1, egress_contexts=list(egress_contexts), enforces_limits=enforces_limits,
-            artifacts=list(artifacts),
+            artifacts=list(artifacts), max_operations=slots,
         )  # fmt: skip
         self._out.put(pb.AgentMessage(hello=hello))
         self._call = stub.Connect(self._requests())

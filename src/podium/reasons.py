@@ -31,6 +31,9 @@ NO_DISK = "no online node has enough free disk for this task"
 NO_GPU = "no online node has enough free GPUs for this task"
 WAITING = "waiting for the scheduler to place this task"
 NO_EGRESS = "no online node can provide the network egress this task requires"
+# Capacity operations (seed Capacity.Operations): every node with room is already preparing (pulling,
+# creating) as many tasks as it allows at once; one is free again as soon as one of them runs.
+OPERATIONS_BUSY = "every node that could run this task is already preparing as many tasks as it allows at once"
 
 # --- ended or requeued: what the promises say when they fire -----------------------------------------
 CANCELLED = "cancelled by an operator"
@@ -54,6 +57,18 @@ DRAIN_DEADLINE = "the node's drain deadline passed while this task was still on 
 # --- a dry run's answer (`podium submit --check`, POST /v1/tasks/check): the seed's ErrNoCompatibleRunner
 NO_COMPATIBLE_RUNNER = "no compatible runner: no node of the fleet could ever run this task"
 
+# --- the reconcile loop's results (the last one is shown with each attempt by `podium show`) ---------
+RECONCILED_CONSISTENT = "consistent with what its node last said"
+RECONCILED_NOT_CURRENT = "no longer its task's current attempt: nothing to check"
+RECONCILED_NODE_REMOVED = "its node was removed from the fleet: the node-loss policy applied"
+RECONCILED_NODE_OFFLINE = "its node is offline: the node-loss policy applied"
+RECONCILED_NODE_FORGOT = "its node's last Hello did not list it: the node-loss policy applied"
+RECONCILED_HANDOVER = "another agent process took its node over: waiting for the old one's fence deadline"
+RECONCILED_DISCONNECTED = "its node is not connected: waiting for it to reconnect or go offline"
+RECONCILED_UNREACHABLE = "its node is unreachable: it keeps running until the node is offline"
+RECONCILED_RUNTIME_CHANGED = "its node's runtime changed since it was assigned, and the node still lists it"
+RECONCILED_MOVED = "its task changed while it was being checked: it is checked again shortly"
+
 # --- told to an agent process ------------------------------------------------------------------------
 SUPERSEDED = "another agent process now presents this node's identity"
 
@@ -75,6 +90,7 @@ QUEUED_REASONS = (
     NO_DISK,
     NO_GPU,
     FULL,
+    OPERATIONS_BUSY,
 )
 
 # --- resolving a container image's tag to a digest when the task is placed ---------------------------

@@ -27,6 +27,7 @@ from podium.pressure import DEFAULT_MAX_LAG, Pressure
 from podium.gateway.service import Gateway
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.scheduler.apply import Applier
+from podium.scheduler.reconcile import Reconciler
 from podium.scheduler.resolver import ImageResolver, ResolveImage, registry_http_client
 from podium.scheduler.service import Scheduler
 from podium.security.secretbox import SecretBox, load_key
@@ -135,6 +136,7 @@ class PodiumServer:
             store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy, retention=self.cfg.retention
         )
         resolver = ImageResolver(store, security, self.timing, resolve=self.resolve_image, server_id=self.server_id)
+        reconciler = Reconciler(store, scheduler.applier, self.timing, server_id=self.server_id)
         # Node reports and heartbeats get a pool of their own: a burst of API traffic must never
         # make a healthy node look silent, or a prompt accept look late.
         self.liveness_store = await Store.connect(url, min_size=2, max_size=liveness_max, serialization_retry_limit=retry_limit)
@@ -176,7 +178,7 @@ class PodiumServer:
         api.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # we own the signals
 
         loops: dict[str, Callable[[], Awaitable[None]]] = {
-            **scheduler.tasks(), **resolver.tasks(), **gateway.tasks(), "api": api.serve, "server.lag": self._watch_loop_lag,
+            **scheduler.tasks(), **resolver.tasks(), **reconciler.tasks(), **gateway.tasks(), "api": api.serve, "server.lag": self._watch_loop_lag,
         }  # fmt: skip
         tasks = {asyncio.create_task(fn(), name=name) for name, fn in loops.items()}
         stopper = asyncio.create_task(self._stop.wait(), name="stop")

@@ -49,6 +49,11 @@ class Timing:
     # registry_retry_max; the task waits queued meanwhile, with the reason.
     registry_retry: float = 2.0
     registry_retry_max: float = 60.0
+    # How often every live attempt is rechecked against what its node last said (the reconcile
+    # loop), and how long a replica's claim on the attempts it is checking lasts: a replica that dies
+    # holding claims loses them at the expiry, and another replica checks those attempts.
+    reconcile: float = 30.0
+    reconcile_claim: float = 60.0
     # How many queued tasks one dispatch tick considers. A batch size, not a duration.
     claim_limit: int = 512
     # How many assignments may wait for their node's "provisioning" at once, over the whole fleet.

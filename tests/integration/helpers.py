@@ -8,12 +8,16 @@ from typing import Any
 from podium.scheduler.service import Scheduler
 from podium.spec import TaskSpec
 from podium.store import Store
+from podium.store.db import DEFAULT_MAX_OPERATIONS
 from podium.timing import DEFAULT_TIMING
 
 
 async def add_node(store: Store, node_id: str = "n1", *, slots: int = 4, cpu: int = 4000, memory: int = 8 * 2**30,
-                   labels: dict[str, str] | None = None) -> Any:  # fmt: skip
+                   labels: dict[str, str] | None = None, max_operations: int | None = None) -> Any:  # fmt: skip
+    # by default a node may prepare as many tasks at once as it has slots: only tests of the
+    # operations limit (Capacity.Operations) set a lower one
     row = await store.node_hello(
+        max_operations=max_operations or max(slots, DEFAULT_MAX_OPERATIONS),
         node_id=node_id, name=node_id, pool="default", arch="x86_64", labels=labels or {}, capabilities=[],
         backends=["process"], artifacts=[], protocol_min=1, protocol_max=1, gpu_indexes=[], cpu_millis=cpu,
         memory_bytes=memory, disk_bytes=10 * 2**30, gpus=0, slots=slots, gateway_id="test", agent_version="test",

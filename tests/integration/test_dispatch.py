@@ -123,9 +123,9 @@ async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_ch
     seen: list[set[str]] = []
     decide = sched.dispatcher.decide
 
-    def counting(tasks, changed, horizon):  # type: ignore[no-untyped-def]
+    def counting(tasks, changed, horizon, operations=None):  # type: ignore[no-untyped-def]
         seen.append({r["id"] for r in changed})
-        return decide(tasks, changed, horizon)
+        return decide(tasks, changed, horizon, operations)
 
     sched.dispatcher.decide = counting  # type: ignore[method-assign]
     await add_node(store, "n1", slots=1)

@@ -97,6 +97,7 @@ REASON_CASES = [
     ("no gpu: all reserved", [node(reserved=Resources(gpus=2))], req(resources=replace(TASK, gpus=1)), reasons.NO_GPU),
     ("no gpu: one of two", [node(gpu_free=(1,))], req(resources=replace(TASK, gpus=2)), reasons.NO_GPU),
     ("full", [node(reserved=Resources(slots=4))], req(), reasons.FULL),
+    ("operations busy", [node(max_operations=2, operations=2)], req(), reasons.OPERATIONS_BUSY),
     ("home fails its own check", [node("home", reserved=Resources(slots=4)), node("other")], req(home_node="home"), reasons.FULL),
     ("unreachable and full", [node(health="unreachable", reserved=Resources(slots=4))], req(), reasons.UNREACHABLE),
     ("home is draining", [node("home", draining=True), node("other")], req(home_node="home"), reasons.ALL_DRAINING),
@@ -131,6 +132,7 @@ STAGED_CASES = [
     ("draining beats unreachable on one node", [node("a", health="unreachable", draining=True)], req(), reasons.ALL_DRAINING),
     # ... and when the only other candidate is frozen, waiting for that one is
     ("unreachable beats draining elsewhere", [node("a", draining=True), node("b", health="unreachable")], req(), reasons.UNREACHABLE),
+    ("operations busy beats full", [node("a", reserved=Resources(slots=4)), node("b", operations=4)], req(), reasons.OPERATIONS_BUSY),
     ("full beats unreachable elsewhere", [node("a", reserved=Resources(slots=4)), node("b", health="unreachable")], req(), reasons.FULL),
 ]
 
@@ -411,15 +413,42 @@ def test_reserving_keeps_every_other_field() -> None:
         artifacts=frozenset({"a"}),
         gpu_free=(1, 0),
         egress_contexts=frozenset({"none"}),
+        max_operations=7,
+        operations=2,
     )
     after = n.reserving(TASK, (1,))
-    assert after == replace(n, reserved=TASK + TASK, gpu_free=(0,))
+    assert after == replace(n, reserved=TASK + TASK, gpu_free=(0,), operations=3)
     # A new field fails here first: give it a non-default value above, and add it to reserving().
     assert [f.name for f in fields(NodeSnapshot)] == [
         "id", "name", "connected", "health", "draining", "pool", "arch", "labels", "capabilities",
         "backends", "protocol_min", "protocol_max", "allocatable", "reserved", "artifacts", "gpu_free",
-        "egress_contexts",
+        "egress_contexts", "max_operations", "operations",
     ]  # fmt: skip
+
+
+def test_a_node_preparing_as_many_tasks_as_it_allows_takes_no_more() -> None:
+    busy = node("a", max_operations=2, operations=2)
+    assert place_all_ways(req(), [busy]) == Unplaceable(reasons.OPERATIONS_BUSY)
+    # room and slots are not the problem, so the sentence is the operations', not "full"
+    assert first_failure(req(), busy) == reasons.OPERATIONS_BUSY
+    # one operation free: one placement takes it, and the batch's next task is told why it waits
+    placer = Placer([node("a", max_operations=2, operations=1)])
+    assert isinstance(placer.place(req()), Placement)
+    assert placer.snapshot("a").operations == 2
+    assert placer.place(req()) == Unplaceable(reasons.OPERATIONS_BUSY)
+    # another node with an operation free is used instead, by both placers alike
+    assert place_all_ways(req(), [busy, node("b", max_operations=1)]) == select_node(req(), [node("b", max_operations=1)])
+    # a full node is told as full even while it is also busy preparing
+    assert first_failure(req(), node("c", max_operations=1, operations=1, reserved=BIG)) == reasons.NO_ROOM
+
+
+def test_a_burst_never_exceeds_the_operations_limit_in_one_batch() -> None:
+    fleet = [node("a", max_operations=3), node("b", max_operations=1)]
+    placer = Placer(fleet)
+    got = [placer.place(req(resources=replace(TASK, cpu_millis=10, memory_bytes=1))) for _ in range(6)]
+    placed = [p.node_id for p in got if isinstance(p, Placement)]
+    assert sorted(placed) == ["a", "a", "a", "b"]
+    assert got[4:] == [Unplaceable(reasons.OPERATIONS_BUSY)] * 2
 
 
 def test_placer_tells_a_saturated_backlog_the_same_reason_each_time() -> None:

@@ -200,3 +200,44 @@ def test_an_image_the_registry_refuses_fails_only_a_queued_task() -> None:
     assert s and s.to == S.FAILED and s.reason == reasons.IMAGE_NOT_FOUND and s.failure_class == failures.PROVISIONING
     assert s.detail == "manifest unknown" and s.end_attempt is None
     assert policy.on_image_unresolvable(f(S.CANCELLED), reasons.REGISTRY_REFUSED, None) is None
+
+
+def rf(**kw: object) -> policy.ReconcileFacts:
+    base: dict[str, object] = dict(
+        task=f(S.RUNNING, attempts=1, max_attempts=2), current=True, attempt_state="running", node_removed=False,
+        node_health="online", node_connected=True, in_handover=False, before_hello=True, in_hello=True,
+    )
+    base.update(kw)
+    return policy.ReconcileFacts(**base)  # type: ignore[arg-type]
+
+
+def test_reconcile_a_consistent_attempt_is_checked_again_after_the_interval() -> None:
+    r = policy.on_reconcile(rf(), T)
+    assert (r.result, r.step, r.next_in) == (reasons.RECONCILED_CONSISTENT, None, T.reconcile)
+    # assigned after the node's last Hello: that Hello could not list it
+    assert policy.on_reconcile(rf(before_hello=False, in_hello=False), T).step is None
+
+
+def test_reconcile_a_lost_node_applies_the_node_loss_policy() -> None:
+    for kw, result, why in (
+        ({"node_removed": True}, reasons.RECONCILED_NODE_REMOVED, reasons.NODE_REVOKED),
+        ({"node_health": "offline", "node_connected": False}, reasons.RECONCILED_NODE_OFFLINE, reasons.NODE_LOST),
+        ({"in_hello": False}, reasons.RECONCILED_NODE_FORGOT, reasons.NODE_FORGOT),
+    ):
+        r = policy.on_reconcile(rf(**kw), T)
+        assert r.result == result and r.step == policy.on_node_loss(f(S.RUNNING, attempts=1, max_attempts=2), why)
+        assert r.step is not None and r.step.to == S.QUEUED
+
+
+def test_reconcile_in_doubt_waits() -> None:
+    for kw, result in (
+        ({"in_handover": True, "in_hello": False}, reasons.RECONCILED_HANDOVER),
+        ({"node_connected": False}, reasons.RECONCILED_DISCONNECTED),
+        ({"node_health": "unreachable"}, reasons.RECONCILED_UNREACHABLE),
+        ({"current": False}, reasons.RECONCILED_NOT_CURRENT),
+        ({"runtime_changed": True}, reasons.RECONCILED_RUNTIME_CHANGED),
+    ):
+        r = policy.on_reconcile(rf(**kw), T)
+        assert (r.result, r.step) == (result, None)
+    # an assignment not yet accepted is redelivered on reconnect, not lost for missing from a Hello
+    assert policy.on_reconcile(rf(attempt_state="assigned", in_hello=False), T).step is None

@@ -34,6 +34,22 @@ class AttemptOut(BaseModel):
     released: bool  # its capacity is given back (a container's only once proven removed)
     released_at: datetime | None
     release_proof: dict[str, Any] | None  # by the node (backend_ref, released_at) or the server (reason)
+    # What it was decided on (seed DurableAssignment): the node as placement saw it (pool, arch,
+    # labels, capabilities, backends, egress contexts, protocol, its materializations), and its place
+    # in the retry budget: retry `retry_count` of at most `retry_limit`. The operation deadline is
+    # when the node had to have accepted it (its accept deadline).
+    capability_snapshot: dict[str, Any] | None = None
+    retry_count: int = 0
+    retry_limit: int = 0
+    operation_deadline: datetime | None = None
+    # The reconcile loop: who holds its claim now and until when, when it is due next, and its last
+    # check (when, by which server replica, and what it found).
+    reconcile_owner: str | None = None
+    reconcile_claim_expires_at: datetime | None = None
+    next_reconcile_at: datetime | None = None
+    last_reconciled_at: datetime | None = None
+    last_reconciled_by: str | None = None
+    last_reconcile_result: str | None = None
 
 
 class EventOut(BaseModel):
@@ -161,6 +177,8 @@ class NodeOut(BaseModel):
     enforces_limits: bool  # its sandboxes enforce CPU and memory as limits
     releasing: ResourcesOut  # held by ended attempts until their sandboxes are proven gone (within reserved)
     instance_id: str | None = None  # the agent process that presents this node now
+    # how many tasks it prepares (pulls, creates) at once: an attempt is one until it runs
+    max_operations: int = 4
 
 
 
@@ -305,7 +323,11 @@ def task_out(r: Any, last_node: tuple[str, str | None] | None = None) -> TaskOut
 
 
 def attempt_out(r: Any) -> AttemptOut:
-    return AttemptOut(**{k: r[k] for k in AttemptOut.model_fields if k != "gpu_indexes"}, gpu_indexes=list(r["gpu_indexes"]))
+    derived = ("gpu_indexes", "operation_deadline")
+    return AttemptOut(
+        **{k: r[k] for k in AttemptOut.model_fields if k not in derived}, gpu_indexes=list(r["gpu_indexes"]),
+        operation_deadline=r["accept_deadline"],
+    )
 
 
 def event_out(r: Any) -> EventOut:
@@ -332,6 +354,7 @@ def node_out(r: Any, releasing: Any = None) -> NodeOut:
         instance_id=r.get("instance_id"),
         drain_phase=r.get("drain_phase") or ("draining" if r["draining"] else "active"),
         drain_deadline=r.get("drain_deadline"), revision=r.get("revision", 1),
+        max_operations=r.get("max_operations", 4),
     )  # fmt: skip
 
 

@@ -89,6 +89,7 @@ def agent(
     cpu: Annotated[str | None, typer.Option(help="CPU to offer: cores (2, 0.5) or millicores (500m); default all")] = None,
     memory: Annotated[str | None, typer.Option(help="memory to offer (4Gi, 512Mi); default all")] = None,
     slots: Annotated[int, typer.Option(help="how many tasks may run at once", min=1, max=10000)] = 8,
+    max_operations: Annotated[int, typer.Option(help="how many tasks may be prepared (pulled, created) at once", min=1, max=1024)] = 4,
     pool: Annotated[str, typer.Option(help="the node's pool")] = "default",
     capability: Annotated[list[str], typer.Option("--capability", help="a capability this node offers; repeatable")] = [],  # noqa: B006
     artifact: Annotated[list[str], typer.Option("--artifact", help="an artifact (image digest) present here; repeatable")] = [],  # noqa: B006
@@ -136,6 +137,7 @@ def agent(
         memory_bytes=parse(parse_size, memory, "--memory") if memory else facts.memory_bytes(),
         disk_bytes=facts.disk_bytes(sdir),
         slots=slots,
+        max_operations=max_operations,
         pool=pool,
         arch=facts.arch(),
         capabilities=list(capability),

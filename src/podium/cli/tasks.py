@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from podium.cli import render
+from podium.cli.contract import print_attempt_record
 from podium.cli.base import (
     EXIT_CANCELLED, EXIT_NO_RUNNER, EXIT_OTHER, EXIT_TIMEOUT, CliError, JsonOpt, ServerOpt, app, err, labels, out, parse, read_spec,
     connect, validate,
@@ -248,6 +249,7 @@ def show(task_id: str, server: ServerOpt = None, json_out: JsonOpt = False) -> N
                 out.print(f"  attempt {a['attempt']}: {a['failure_detail']}", markup=False, highlight=False)
             if a.get("finished_at") and not a.get("released", True):
                 out.print(f"  attempt {a['attempt']}: its capacity is held until its sandbox is proven removed")
+            print_attempt_record(out, a)
     out.print(render.table(
         ("AT", "FROM", "TO", "TOKEN", "BY", "CLASS", "REASON"),
         ((render.when(e["at"], clock=True), e["from_state"] or "", e["to_state"],

@@ -27,6 +27,7 @@ from podium.gateway.liveness import Heartbeats, LogFlusher
 from podium.gateway.outbox import Outbox
 from podium.gateway.reports import PERSIST_FOR, ReleaseProofs, ReportBatcher
 from podium.gateway.sessions import Reconciler, Session, Sessions, check_hello, egress_of
+from podium.gateway.snapshots import check_materializations, hello_facts
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.protocol import fence_after, handover_after
@@ -108,7 +109,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message on a stream must be a Hello")
             return
         hello = first.hello
-        problem = check_hello(hello)
+        problem = check_hello(hello) or check_materializations(hello)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
             return
@@ -134,7 +135,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 disk_bytes=c.disk_bytes, gpus=c.gpus, slots=c.slots, gateway_id=self.server_id,
                 agent_version=hello.agent_version, instance_id=hello.instance_id, peer=context.peer() or "",
                 handover_after=self.handover_after, egress_contexts=egress_of(hello),
-                enforces_limits=hello.enforces_limits,
+                enforces_limits=hello.enforces_limits, **hello_facts(hello),
             )  # fmt: skip
         except StoreUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server cannot reach its database: {e}")

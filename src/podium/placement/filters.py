@@ -130,9 +130,10 @@ def static_failure(req: Requirements, node: NodeSnapshot, skip_labels: bool = Fa
 
 # --- resource checks ---------------------------------------------------------------------------------
 
-#: Free is (cpu_millis, memory_bytes, disk_bytes, gpus, slots), a plain tuple because the placer
-#: compares it millions of times per second.
-Free = tuple[int, int, int, int, int]
+#: Free is (cpu_millis, memory_bytes, disk_bytes, gpus, slots, operations), a plain tuple because
+#: the placer compares it millions of times per second. Operations are the node's provisioning
+#: operations (pulls, creates) not in use: every task needs one until its attempt runs.
+Free = tuple[int, int, int, int, int, int]
 
 
 def free_of(node: NodeSnapshot) -> Free:
@@ -150,6 +151,7 @@ def free_of(node: NodeSnapshot) -> Free:
         a.disk_bytes - (r.disk_bytes if r.disk_bytes > 0 else 0),
         listed if listed < gpus else gpus,
         a.slots - (r.slots if r.slots > 0 else 0),
+        node.max_operations - (node.operations if node.operations > 0 else 0),
     )
 
 
@@ -161,6 +163,7 @@ def need_of(resources: Resources) -> Free:
         resources.disk_bytes,
         resources.gpus,
         resources.slots,
+        1,  # one provisioning operation
     )
 
 
@@ -173,6 +176,7 @@ def fits(need: Free, free: Free) -> bool:
         and need[2] <= free[2]
         and need[3] <= free[3]
         and need[4] <= free[4]
+        and need[5] <= free[5]
     )
 
 
@@ -195,6 +199,8 @@ def resource_failure(need: Free, node: NodeSnapshot, free: Free) -> str | None:
         return reasons.NO_GPU
     if need[4] > free[4]:
         return reasons.FULL
+    if need[5] > free[5]:
+        return reasons.OPERATIONS_BUSY
     return None
 
 

@@ -53,7 +53,7 @@ from .select import check_unique, rank_of, score_of, utilisation
 #: search over 10,000 nodes visits at most a few hundred block bounds.
 BLOCK = 64
 
-_FULL = STAGE[reasons.FULL]
+_LAST = len(reasons.QUEUED_REASONS) - 1  # no stage is later
 _LABELS = STAGE[reasons.NO_LABELS]
 _NOBODY: frozenset[Any] = frozenset()
 _UNBOUNDED = float("inf")
@@ -113,7 +113,7 @@ class _Ranked:
         keys.sort()
         self._blocks = [keys[i : i + BLOCK] for i in range(0, len(keys), BLOCK)]
         self._last = [block[-1] for block in self._blocks]  # for bisecting to a key's block
-        self._bounds = [[_UNBOUNDED] * 5 for _ in self._blocks]
+        self._bounds = [[_UNBOUNDED] * 6 for _ in self._blocks]
         self._failed: list[list[Free]] = [[] for _ in self._blocks]
         self.version = 0  # bumped on every move, so a cached "nothing fits" knows it is stale
         for node in nodes:
@@ -129,17 +129,17 @@ class _Ranked:
 
     def first_fit(self, need: Free) -> _Node | None:
         """first_fit is the best-ranked node whose free amounts cover need, or None."""
-        c0, c1, c2, c3, c4 = need
+        c0, c1, c2, c3, c4, c5 = need
         blocks, bounds, failed = self._blocks, self._bounds, self._failed
         for i, b in enumerate(bounds):
-            if b[0] < c0 or b[1] < c1 or b[2] < c2 or b[3] < c3 or b[4] < c4:
+            if b[0] < c0 or b[1] < c1 or b[2] < c2 or b[3] < c3 or b[4] < c4 or b[5] < c5:
                 continue
-            if any(f[0] <= c0 and f[1] <= c1 and f[2] <= c2 and f[3] <= c3 and f[4] <= c4 for f in failed[i]):
+            if any(f[0] <= c0 and f[1] <= c1 and f[2] <= c2 and f[3] <= c3 and f[4] <= c4 and f[5] <= c5 for f in failed[i]):
                 continue
             block = blocks[i]
             for key in block:
                 f = key[2].free
-                if c0 <= f[0] and c1 <= f[1] and c2 <= f[2] and c3 <= f[3] and c4 <= f[4]:
+                if c0 <= f[0] and c1 <= f[1] and c2 <= f[2] and c3 <= f[3] and c4 <= f[4] and c5 <= f[5]:
                     return key[2]
             # Searched in vain: remember it, so that the next search skips this block.
             bounds[i] = _bounds(block)
@@ -152,12 +152,13 @@ class _Ranked:
     def first_fit_avoiding(self, need: Free, avoid: frozenset[str]) -> _Node | None:
         """first_fit_avoiding is first_fit that passes over the avoided nodes. A plain scan, and it
         learns nothing for the memo: only retried tasks carry an avoid set, and they are few."""
-        c0, c1, c2, c3, c4 = need
+        c0, c1, c2, c3, c4, c5 = need
         for block in self._blocks:
             for key in block:
                 node = key[2]
                 f = node.free
-                if c0 <= f[0] and c1 <= f[1] and c2 <= f[2] and c3 <= f[3] and c4 <= f[4] and node.snap.id not in avoid:
+                if (c0 <= f[0] and c1 <= f[1] and c2 <= f[2] and c3 <= f[3] and c4 <= f[4] and c5 <= f[5]
+                        and node.snap.id not in avoid):
                     return node
         return None
 
@@ -183,7 +184,7 @@ class _Ranked:
         insort(block, new)
         last[i] = block[-1]
         b = bounds[i]
-        for d in range(5):
+        for d in range(6):
             if free[d] > b[d]:
                 b[d] = free[d]
         if failed[i]:
@@ -401,7 +402,7 @@ class Placer:
             failed = resource_failure(need, node.snap, node.free)
             if failed is not None and STAGE[failed] > worst:
                 worst = STAGE[failed]
-                if worst == _FULL:
+                if worst == _LAST:
                     break  # no stage is later
         reason = reasons.QUEUED_REASONS[worst]
         self._unplaceable[(key, resources)] = (shape.ranked.version, reason)

@@ -89,6 +89,10 @@ class NodeSnapshot:
     # The network egress contexts the node can give a task ("none", "open"). A node that declares
     # nothing provides what any plain process has: an open network.
     egress_contexts: frozenset[str] = frozenset({"open"})
+    # Capacity operations (seed Capacity.Operations): how many provisioning operations (pulls,
+    # creates) the node runs at once, and how many it runs now (attempts assigned or provisioning).
+    max_operations: int = 4
+    operations: int = 0
 
     def __post_init__(self) -> None:
         # The placer hashes these; a plain set from a caller would break it but not select_node.
@@ -100,6 +104,20 @@ class NodeSnapshot:
             object.__setattr__(self, "backends", frozenset(self.backends))
         if type(self.artifacts) is not frozenset:
             object.__setattr__(self, "artifacts", frozenset(self.artifacts))
+
+    def capability_snapshot(self) -> dict[str, object]:
+        """What placement knew of the node's capabilities when it chose it, as plain JSON: an
+        assignment keeps it, so a placement can be audited after the node has changed."""
+        return {
+            "pool": self.pool,
+            "arch": self.arch,
+            "labels": dict(self.labels),
+            "capabilities": sorted(self.capabilities),
+            "backends": sorted(self.backends),
+            "egress_contexts": sorted(self.egress_contexts),
+            "protocol": [self.protocol_min, self.protocol_max],
+            "max_operations": self.max_operations,
+        }
 
     def reserving(self, resources: Resources, gpu_indexes: tuple[int, ...] = ()) -> NodeSnapshot:
         """reserving is this node after a placement, so a caller (and the batch placer) can ask the
@@ -129,6 +147,8 @@ class NodeSnapshot:
             self.artifacts,
             gpu_free,
             self.egress_contexts,
+            self.max_operations,
+            self.operations + 1,  # every placement is one more operation until its attempt runs
         )
 
 

@@ -12,6 +12,7 @@ choose, the store decides whether the choice still holds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Mapping
@@ -54,7 +55,21 @@ def node_snapshot(row: Mapping[str, Any]) -> NodeSnapshot:
         artifacts=frozenset(row["artifacts"]),
         gpu_free=tuple(g for g in sorted(row["gpu_indexes"]) if g not in in_use),
         egress_contexts=frozenset(row["egress_contexts"]),
+        max_operations=row["max_operations"],
     )
+
+
+def with_operations(snaps: dict[str, NodeSnapshot], operations: dict[str, int]) -> dict[str, NodeSnapshot]:
+    """The snapshots with each node's provisioning operations as counted now. A node row does not
+    change when an attempt starts running, so the count is read every tick rather than kept."""
+    out = snaps
+    for nid, snap in snaps.items():
+        now = operations.get(nid, 0)
+        if snap.operations != now:
+            if out is snaps:
+                out = dict(snaps)
+            out[nid] = dataclasses.replace(snap, operations=now)
+    return out
 
 
 def requirements(
@@ -126,6 +141,7 @@ class Dispatcher:
             decide=self.decide,
             actor=self.actor,
             nodes_since=self._horizon,
+            reconcile_seconds=self.timing.reconcile,
         )
 
     def _remember_nodes(self, changed: list[Mapping[str, Any]], horizon: int) -> None:
@@ -141,11 +157,14 @@ class Dispatcher:
         self._horizon = horizon
 
     def decide(
-        self, tasks: list[Mapping[str, Any]], changed: list[Mapping[str, Any]], horizon: int
+        self, tasks: list[Mapping[str, Any]], changed: list[Mapping[str, Any]], horizon: int,
+        operations: dict[str, int] | None = None,
     ) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
         """Pure once the rows are read: the Placer sees every connected node (kept between ticks,
         with the rows changed since the last read folded in) and reserves as it goes."""
         self._remember_nodes(changed, horizon)
+        if operations is not None:
+            self._snaps = with_operations(self._snaps, operations)
         placer = Placer([self._snaps[k] for k in sorted(self._snaps)], policy=self.policy_name)
         placed: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}
@@ -159,7 +178,8 @@ class Dispatcher:
             else:
                 placed.append(
                     PlacementDecision(
-                        t["id"], result.node_id, t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], result.gpu_indexes
+                        t["id"], result.node_id, t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], result.gpu_indexes,
+                        self._snaps[result.node_id].capability_snapshot(),
                     )
                 )
         return placed, unplaced

@@ -236,3 +236,56 @@ def _stopped(
                     detail=detail, release=release)  # fmt: skip
     return Step(TaskState.CANCELLED, reasons.CANCELLED, end_attempt=end, exit_code=exit_code, failure_class=failures.CANCELLED,
                 detail=detail, release=release)  # fmt: skip
+
+
+# ---- the reconcile loop ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileFacts:
+    """One claimed attempt, its task and its node, as read by the claim."""
+
+    task: TaskFacts
+    current: bool  # the attempt is its task's current one (same fencing token, task on a node)
+    attempt_state: str  # assigned, provisioning, running
+    node_removed: bool
+    node_health: str  # online, unreachable, offline
+    node_connected: bool
+    in_handover: bool  # another agent instance took the node over and the old one's fence deadline has not passed
+    # the node said "provisioning" for it before its last Hello, so that Hello had to list it
+    before_hello: bool
+    in_hello: bool  # the node's last Hello listed it
+    runtime_changed: bool = False  # the node's runtime for its backend is not the one it was assigned under
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciled:
+    result: str  # one of the reasons.RECONCILED_* sentences
+    step: Step | None  # the transition to make, if any (a compare-and-set from the state read)
+    next_in: float  # seconds until it is checked again
+
+
+def on_reconcile(f: ReconcileFacts, timing: Timing) -> Reconciled:
+    """What one check of an attempt against what its node last said decides. Node loss goes through
+    the same node-loss policy the watchdog and the gateway use; anything in doubt waits (it is
+    checked again soon) rather than giving an attempt away that may still run."""
+    soon = timing.reconcile / 3
+    if not f.current or f.task.state not in (*_LIVE, S.CANCELLING):
+        return Reconciled(reasons.RECONCILED_NOT_CURRENT, None, timing.reconcile)
+    if f.node_removed:
+        return Reconciled(reasons.RECONCILED_NODE_REMOVED, on_node_loss(f.task, reasons.NODE_REVOKED), soon)
+    if f.node_health == "offline":
+        return Reconciled(reasons.RECONCILED_NODE_OFFLINE, on_node_loss(f.task, reasons.NODE_LOST), soon)
+    if f.in_handover:
+        # the old instance may still run it: only its fence deadline may give it away (the watchdog's handover)
+        return Reconciled(reasons.RECONCILED_HANDOVER, None, soon)
+    if not f.node_connected:
+        return Reconciled(reasons.RECONCILED_DISCONNECTED, None, soon)
+    if f.node_health == "unreachable":
+        return Reconciled(reasons.RECONCILED_UNREACHABLE, None, soon)
+    if f.before_hello and not f.in_hello and f.attempt_state in (A.PROVISIONING, A.RUNNING):
+        # it had the attempt when it last said Hello and did not list it: it no longer has it
+        return Reconciled(reasons.RECONCILED_NODE_FORGOT, on_node_loss(f.task, reasons.NODE_FORGOT), soon)
+    if f.runtime_changed:
+        return Reconciled(reasons.RECONCILED_RUNTIME_CHANGED, None, timing.reconcile)
+    return Reconciled(reasons.RECONCILED_CONSISTENT, None, timing.reconcile)

@@ -63,6 +63,8 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 # The seed's SerializationRetryLimit: how many times one store operation is run again after a
 # serialization failure, deadlock or lock timeout before it fails with Contention.
 DEFAULT_SERIALIZATION_RETRY_LIMIT = 5
+# A node's limit on concurrent provisioning operations (pulls, creates) when its agent does not say.
+DEFAULT_MAX_OPERATIONS = 4
 # Backoff before retry n (from 0): a uniformly random wait up to min(CAP, BASE * 2**n). Random, so
 # two writers that collided once do not collide again on the same beat.
 RETRY_BACKOFF_BASE = 0.01
@@ -164,6 +166,8 @@ class PlacementDecision:
     disk_bytes: int
     gpus: int
     gpu_indexes: tuple[int, ...] = ()
+    # the node as placement saw it (labels, capabilities, arch, backends, ...), kept on the attempt
+    snapshot: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -183,12 +187,14 @@ class NodeHello:
     row: asyncpg.Record | None  # None: the node was removed from the fleet (or the instance refused)
     superseded: str | None = None  # the instance this Hello took the node from
     refused_by: str | None = None  # this instance was superseded before, by that one: not recorded
+    materializations_before: list[dict[str, Any]] = field(default_factory=list)  # the node's, before this Hello
 
 
-# (claimed task rows, node rows changed since the caller's horizon, the new horizon)
-#   → (placements, {task: queued reason})
+# (claimed task rows, node rows changed since the caller's horizon, the new horizon, provisioning
+# operations per node now) → (placements, {task: queued reason})
 Decider = Callable[
-    [list[asyncpg.Record], list[asyncpg.Record], int], tuple[list[PlacementDecision], dict[uuid.UUID, str]]
+    [list[asyncpg.Record], list[asyncpg.Record], int, dict[str, int]],
+    tuple[list[PlacementDecision], dict[uuid.UUID, str]],
 ]
 
 
@@ -645,6 +651,7 @@ class Store:
         decide: Decider,
         actor: str,
         nodes_since: int | None = None,
+        reconcile_seconds: float = 30.0,
     ) -> DispatchOutcome:
         """Claim up to `claim_limit` queued tasks, let `decide` place them, and make the result durable
         in one transaction: reservations, attempts, fencing tokens, leases, events, reasons, notifies.
@@ -654,7 +661,9 @@ class Store:
         as `nodes_since` next time."""
         out = DispatchOutcome()
         try:
-            return await self._dispatch(out, claim_limit, accept_seconds, lease_seconds, decide, actor, nodes_since)
+            return await self._dispatch(
+                out, claim_limit, accept_seconds, lease_seconds, decide, actor, nodes_since, reconcile_seconds
+            )
         except asyncpg.UniqueViolationError:
             # another scheduler handed out one of the same GPU indexes first: nothing of this batch
             # was written; the next tick places it again on fresh state
@@ -670,6 +679,7 @@ class Store:
         decide: Decider,
         actor: str,
         nodes_since: int | None,
+        reconcile_seconds: float,
     ) -> DispatchOutcome:
         async with self._conn() as conn, conn.transaction():
             tasks = await conn.fetch(self.q["claim_queued"], claim_limit)
@@ -679,7 +689,8 @@ class Store:
             # the horizon first: whatever commits after it is read again next time
             horizon = await conn.fetchval(self.q["snapshot_horizon"])
             nodes = await conn.fetch(self.q["placement_nodes_changed"], nodes_since)
-            placements, unplaced = decide(tasks, nodes, horizon)
+            operations = {r["node_id"]: r["n"] for r in await conn.fetch(self.q["operations_in_flight"])}
+            placements, unplaced = decide(tasks, nodes, horizon, operations)
             out.unplaced = unplaced
             if placements:
                 per_node: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
@@ -713,6 +724,8 @@ class Store:
                         accept_seconds,
                         lease_seconds,
                         actor,
+                        [p.snapshot for p in kept],
+                        reconcile_seconds,
                     )
                     out.assigned = [(r["id"], r["node_id"], r["fencing_token"]) for r in rows]
                     # claimed under FOR UPDATE, so every kept task must still have been queued
@@ -755,6 +768,9 @@ class Store:
         handover_after: float = 0.0,
         egress_contexts: Sequence[str] = ("open",),
         enforces_limits: bool = False,
+        hello_tokens: Sequence[int] = (),
+        max_operations: int = DEFAULT_MAX_OPERATIONS,
+        materializations: Sequence[dict[str, Any]] = (),
     ) -> NodeHello:
         """Record a (re)connecting agent instance and give the node a new session (`row` is None if
         the node was revoked). With an instance id: an instance superseded before is refused (`refused_by` names
@@ -774,18 +790,24 @@ class Store:
                 protocol_min, protocol_max, gpu_indexes, cpu_millis, memory_bytes, disk_bytes,
                 gpus, slots, gateway_id, agent_version, instance_id, peer, list(egress_contexts), enforces_limits,
             )  # fmt: skip
-            if row is None or not instance_id:
+            if row is None:
                 return NodeHello(row)
+            # what the reconcile loop checks attempts against, and the node's operations and runtimes
+            before = await conn.fetchval(
+                self.q["hello_facts"], node_id, sorted(set(hello_tokens)), max_operations, list(materializations)
+            )
+            if not instance_id:
+                return NodeHello(row, materializations_before=before)
             await conn.execute(self.q["instance_seen"], node_id, instance_id, peer)
             old = prev["instance_id"] if prev is not None else None
             if not old or old == instance_id:
-                return NodeHello(row)
+                return NodeHello(row, materializations_before=before)
             message = f"instance {instance_id} ({peer or 'unknown peer'}) superseded instance {old} ({prev['instance_peer'] or 'unknown peer'})"
             await conn.fetchrow(
                 self.q["supersede_instance"], node_id, old, instance_id, prev["last_heartbeat_at"], handover_after,
                 message, prev["instance_peer"] or "", peer,
             )  # fmt: skip
-            return NodeHello(row, superseded=old)
+            return NodeHello(row, superseded=old, materializations_before=before)
 
     @_retried
     async def defer_node_loss(self, node_id: str, tokens: Sequence[int]) -> bool:

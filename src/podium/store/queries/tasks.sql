@@ -172,6 +172,10 @@ FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::int[], $6:
      AS d(id, cpu, mem, disk, gpus, slots)
 WHERE n.id = d.id
   AND n.connected AND n.health = 'online' AND NOT n.draining AND n.revoked_at IS NULL
+  -- capacity operations: every placement is one provisioning operation until its attempt runs;
+  -- counted from the attempts under the node's row lock (lock_nodes), so no two schedulers exceed it
+  AND (SELECT count(*) FROM attempts a WHERE a.node_id = n.id AND a.finished_at IS NULL
+         AND a.state IN ('assigned', 'provisioning')) + d.slots <= n.max_operations
   AND n.res_cpu_millis + d.cpu <= n.alloc_cpu_millis
   AND n.res_memory_bytes + d.mem <= n.alloc_memory_bytes
   AND n.res_disk_bytes + d.disk <= n.alloc_disk_bytes
@@ -181,9 +185,11 @@ RETURNING n.id
 
 -- assign_tasks --
 -- The batched form of transition_task(queued → assigned): one attempt, one new fencing token, a lease
--- and an accept deadline per task, and an event, all in one statement.
+-- and an accept deadline per task, and an event, all in one statement. The attempt records what it
+-- was decided on: the node as placement saw it ($7, with the node's materializations as they are
+-- now), and its retry count and limit; its first reconcile is due $8 seconds from now.
 WITH d AS (
-    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[]) AS d(id, node_id, gpu_indexes)
+    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $7::jsonb[]) AS d(id, node_id, gpu_indexes, snapshot)
 ), t AS (
     UPDATE tasks SET
         state = 'assigned', reason = NULL, node_id = d.node_id, revision = tasks.revision + 1,
@@ -198,13 +204,16 @@ WITH d AS (
     WHERE tasks.id = d.id AND tasks.state = 'queued'
     RETURNING tasks.id, tasks.node_id, tasks.fencing_token, tasks.attempts, tasks.cpu_millis,
               tasks.memory_bytes, tasks.disk_bytes, tasks.gpus, tasks.accept_deadline, d.gpu_indexes,
-              COALESCE(tasks.spec->>'backend', 'process') AS backend_kind
+              COALESCE(tasks.spec->>'backend', 'process') AS backend_kind, d.snapshot, tasks.max_attempts
 ), a AS (
     INSERT INTO attempts (task_id, attempt, fencing_token, node_id, state, cpu_millis, memory_bytes,
-                          disk_bytes, gpus, gpu_indexes, accept_deadline, backend_kind)
-    SELECT id, attempts, fencing_token, node_id, 'assigned', cpu_millis, memory_bytes, disk_bytes, gpus,
-           COALESCE(string_to_array(NULLIF(gpu_indexes, ''), ',')::int[], '{}'), accept_deadline, backend_kind
-    FROM t
+                          disk_bytes, gpus, gpu_indexes, accept_deadline, backend_kind, capability_snapshot,
+                          retry_count, retry_limit, next_reconcile_at)
+    SELECT t.id, t.attempts, t.fencing_token, t.node_id, 'assigned', t.cpu_millis, t.memory_bytes, t.disk_bytes,
+           t.gpus, COALESCE(string_to_array(NULLIF(t.gpu_indexes, ''), ',')::int[], '{}'), t.accept_deadline,
+           t.backend_kind, t.snapshot || jsonb_build_object('materializations', n.materializations),
+           t.attempts - 1, GREATEST(t.max_attempts - 1, 0), clock_timestamp() + make_interval(secs => $8)
+    FROM t JOIN nodes n ON n.id = t.node_id
 ), g AS (
     -- the primary key makes a GPU index impossible to hand out twice: a racing scheduler's whole
     -- batch fails and is retried on fresh state

@@ -48,7 +48,7 @@ class RunningTask(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node_id", "name", "credential", "labels", "capacity", "backends", "pool", "arch", "capabilities", "artifacts", "protocol_min", "protocol_max", "tasks", "gpu_indexes", "agent_version", "instance_id", "egress_contexts", "enforces_limits")
+    __slots__ = ("node_id", "name", "credential", "labels", "capacity", "backends", "pool", "arch", "capabilities", "artifacts", "protocol_min", "protocol_max", "tasks", "gpu_indexes", "agent_version", "instance_id", "egress_contexts", "enforces_limits", "max_operations", "materializations")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,8 @@ class Hello(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     EGRESS_CONTEXTS_FIELD_NUMBER: _ClassVar[int]
     ENFORCES_LIMITS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    MATERIALIZATIONS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     credential: str
@@ -92,7 +94,23 @@ class Hello(_message.Message):
     instance_id: str
     egress_contexts: _containers.RepeatedScalarFieldContainer[str]
     enforces_limits: bool
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., credential: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., pool: _Optional[str] = ..., arch: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., artifacts: _Optional[_Iterable[str]] = ..., protocol_min: _Optional[int] = ..., protocol_max: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., gpu_indexes: _Optional[_Iterable[int]] = ..., agent_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., egress_contexts: _Optional[_Iterable[str]] = ..., enforces_limits: _Optional[bool] = ...) -> None: ...
+    max_operations: int
+    materializations: _containers.RepeatedCompositeFieldContainer[MaterializationSnapshot]
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., credential: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., pool: _Optional[str] = ..., arch: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., artifacts: _Optional[_Iterable[str]] = ..., protocol_min: _Optional[int] = ..., protocol_max: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., gpu_indexes: _Optional[_Iterable[int]] = ..., agent_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., egress_contexts: _Optional[_Iterable[str]] = ..., enforces_limits: _Optional[bool] = ..., max_operations: _Optional[int] = ..., materializations: _Optional[_Iterable[_Union[MaterializationSnapshot, _Mapping]]] = ...) -> None: ...
+
+class MaterializationSnapshot(_message.Message):
+    __slots__ = ("backend_kind", "architecture", "runtime_digest", "toolchain_digest", "digest")
+    BACKEND_KIND_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOOLCHAIN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    backend_kind: str
+    architecture: str
+    runtime_digest: str
+    toolchain_digest: str
+    digest: str
+    def __init__(self, backend_kind: _Optional[str] = ..., architecture: _Optional[str] = ..., runtime_digest: _Optional[str] = ..., toolchain_digest: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "running")

@@ -1,0 +1,51 @@
+"""What a node's Hello says for the seed's contract beyond its capacity and labels: the attempts it
+still holds (kept for the reconcile loop), its limit on provisioning operations, and its
+materialization snapshots — and what the server does when a node's runtime changed under it.
+
+A module of its own beside the stream handler, so the two change without treading on each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from podium.proto.podium.v1 import agent_pb2 as pb
+from podium.store.db import DEFAULT_MAX_OPERATIONS
+
+MAX_MATERIALIZATIONS = 16  # snapshots one Hello may carry (one per backend: a handful)
+MAX_FIELD = 256  # characters in one snapshot field
+MAX_OPERATIONS = 1024  # the most provisioning operations a node may claim to run at once
+
+
+def materialization(m: pb.MaterializationSnapshot) -> dict[str, str]:
+    """One snapshot as stored and shown (the seed's names, in snake case)."""
+    return {
+        "backend_kind": m.backend_kind,
+        "architecture": m.architecture,
+        "runtime_digest": m.runtime_digest,
+        "toolchain_digest": m.toolchain_digest,
+        "digest": m.digest,
+    }
+
+
+def hello_facts(hello: pb.Hello) -> dict[str, Any]:
+    """`Store.instance_hello`'s arguments for these facts. An agent too old to send them gets the
+    defaults: the server's operations limit and no snapshots."""
+    return {
+        "hello_tokens": [rt.fencing_token for rt in hello.tasks],
+        "max_operations": min(hello.max_operations, MAX_OPERATIONS) if hello.max_operations > 0 else DEFAULT_MAX_OPERATIONS,
+        "materializations": [materialization(m) for m in hello.materializations[:MAX_MATERIALIZATIONS]],
+    }
+
+
+def check_materializations(hello: pb.Hello) -> str | None:
+    """A Hello whose snapshots cannot be stored is refused with what is wrong (INVALID_ARGUMENT)."""
+    if len(hello.materializations) > MAX_MATERIALIZATIONS:
+        return f"Hello carries {len(hello.materializations)} materialization snapshots; at most {MAX_MATERIALIZATIONS} (one per backend)"
+    for m in hello.materializations:
+        for name, value in materialization(m).items():
+            if len(value) > MAX_FIELD:
+                return f"materialization snapshot field {name} is longer than {MAX_FIELD} characters"
+    if hello.max_operations < 0:
+        return "Hello's max_operations must be 0 (the server's default) or more"
+    return None
