@@ -17,9 +17,15 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from hypothesis import HealthCheck, settings
 
 from podium.store import Store
 from podium.store.embedded import EmbeddedPostgres
+
+# Property tests run on slow, busy machines too: no deadline per example, and no failure because
+# generating inputs was slow (the machine's speed says nothing about the code).
+settings.register_profile("podium", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("podium")
 
 # The real container engine and the real registry, each started once per session on first use.
 pytest_plugins = ["tests.engine", "tests.registry"]

@@ -270,7 +270,7 @@ def on_reconcile(f: ReconcileFacts, timing: Timing) -> Reconciled:
     the same node-loss policy the watchdog and the gateway use; anything in doubt waits (it is
     checked again soon) rather than giving an attempt away that may still run."""
     soon = timing.reconcile / 3
-    if not f.current or f.task.state not in (*_LIVE, S.CANCELLING):
+    if not f.current or f.task.state not in (*_LIVE, TaskState.CANCELLING):
         return Reconciled(reasons.RECONCILED_NOT_CURRENT, None, timing.reconcile)
     if f.node_removed:
         return Reconciled(reasons.RECONCILED_NODE_REMOVED, on_node_loss(f.task, reasons.NODE_REVOKED), soon)
@@ -283,7 +283,7 @@ def on_reconcile(f: ReconcileFacts, timing: Timing) -> Reconciled:
         return Reconciled(reasons.RECONCILED_DISCONNECTED, None, soon)
     if f.node_health == "unreachable":
         return Reconciled(reasons.RECONCILED_UNREACHABLE, None, soon)
-    if f.before_hello and not f.in_hello and f.attempt_state in (A.PROVISIONING, A.RUNNING):
+    if f.before_hello and not f.in_hello and f.attempt_state in (AttemptState.PROVISIONING, AttemptState.RUNNING):
         # it had the attempt when it last said Hello and did not list it: it no longer has it
         return Reconciled(reasons.RECONCILED_NODE_FORGOT, on_node_loss(f.task, reasons.NODE_FORGOT), soon)
     if f.runtime_changed:
