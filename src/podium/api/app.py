@@ -253,7 +253,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
     async def _http(_r: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
 
-    app.add_middleware(RequestGuard)  # type: ignore[arg-type]
+    app.add_middleware(RequestGuard)
 
     @app.get("/healthz", response_class=PlainTextResponse)
     async def healthz() -> str:
@@ -330,8 +330,8 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
             last = (rows[limit - 1]["created_at"], rows[limit - 1]["id"]) if len(rows) > limit else None
             remaining = await store.count_tasks_after(**filters, after=last, cap=REMAINING_CAP) if last else 0
         rows = _page(request, response, rows, limit, lambda r: _cursor("tasks", r["created_at"].isoformat(), str(r["id"])), remaining)
-        last = await store.last_attempt_nodes([r["id"] for r in rows])
-        return [task_out(r, last.get(r["id"])) for r in rows]
+        nodes = await store.last_attempt_nodes([r["id"] for r in rows])
+        return [task_out(r, nodes.get(r["id"])) for r in rows]
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskDetail, responses=_ERRORS)
     async def get_task(task_id: str, _who: Viewer, response: Response) -> TaskDetail:
