@@ -152,7 +152,8 @@ class Event:
 
     @classmethod
     def of(cls, d: dict[str, Any]) -> Event:
-        return cls(**{k: d.get(k) for k in cls.__dataclass_fields__})
+        values: dict[str, Any] = {k: d.get(k) for k in cls.__dataclass_fields__}
+        return cls(**values)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import uvicorn
@@ -170,18 +171,18 @@ class PodiumServer:
 
         self.pressure = Pressure(max_lag=self.cfg.max_lag or float("inf"), backlog=lambda: gateway.report_backlog)
         app = create_app(store, scheduler, security, self.pressure)
-        tls = {}
+        tls: dict[str, Any] = {}
         if self.cfg.tls_cert and self.cfg.tls_key:
             tls = {"ssl_certfile": str(self.cfg.tls_cert), "ssl_keyfile": str(self.cfg.tls_key)}
         ucfg = uvicorn.Config(app, host=self.cfg.host, port=self.cfg.port, log_level="warning", lifespan="off", **tls)
         api = uvicorn.Server(ucfg)
-        api.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # we own the signals
+        api.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # we own the signals
 
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             **scheduler.tasks(), **resolver.tasks(), **reconciler.tasks(), **gateway.tasks(), "api": api.serve, "server.lag": self._watch_loop_lag,
         }  # fmt: skip
-        tasks = {asyncio.create_task(fn(), name=name) for name, fn in loops.items()}
-        stopper = asyncio.create_task(self._stop.wait(), name="stop")
+        tasks: set[asyncio.Task[Any]] = {asyncio.create_task(_awaited(fn), name=name) for name, fn in loops.items()}
+        stopper: asyncio.Task[Any] = asyncio.create_task(self._stop.wait(), name="stop")
         try:
             while not api.started:
                 done = {t for t in tasks if t.done()}
@@ -221,6 +222,11 @@ class PodiumServer:
 
 
 LAG_PROBE = 0.25  # seconds between probes of the event loop's lag
+
+
+async def _awaited(loop: Callable[[], Awaitable[None]]) -> None:
+    """A named loop as a coroutine of its own, for create_task."""
+    await loop()
 
 
 def install_signal_handlers(server: PodiumServer) -> None:

@@ -202,7 +202,7 @@ class Agent:
             self._buffer.popleft()
 
     def _event(
-        self, a: Attempt, kind: int, exit_code: int = 0, message: str = "", failure_class: str = "", backend_ref: str = ""
+        self, a: Attempt, kind: pb.TaskEvent.Kind, exit_code: int = 0, message: str = "", failure_class: str = "", backend_ref: str = ""
     ) -> None:
         ev = pb.TaskEvent(task_id=a.task_id, fencing_token=a.token, kind=kind, exit_code=exit_code, message=message,
                           failure_class=failure_class, backend_ref=backend_ref)  # fmt: skip

@@ -20,7 +20,7 @@ CHUNK = 64 * 1024
 _PR_SET_PDEATHSIG = 1
 
 try:
-    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
 except OSError:  # pragma: no cover
     _libc = None
 

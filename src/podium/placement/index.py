@@ -65,7 +65,7 @@ _MEMO = 8
 ShapeKey = tuple[str | None, str | None, str, int, frozenset[tuple[str, str]], frozenset[str], str | None]
 
 #: A rank key: (rank, node id, node). Ids are unique, so two keys never compare their nodes.
-Key = tuple[float, str, Any]
+Key = tuple[float, str, "_Node"]  # (sort score, node id, the node)
 
 
 class _Node:
@@ -265,7 +265,7 @@ class Placer:
             node = _Node(snap, policy, group)
             self._nodes[snap.id] = node
             self._groups[group].append(node)
-        self._by_label: dict[str, dict[str, set[_Node]]] = {}
+        self._by_label: dict[str, dict[str | None, set[_Node]]] = {}
         self._by_artifact: dict[str, list[_Node]] | None = None
         self._shapes: dict[ShapeKey, _Shape] = {}
         self._localities: dict[tuple[ShapeKey, frozenset[str]], list[_Ranked]] = {}
@@ -358,7 +358,7 @@ class Placer:
             by_group[node.group].append(node)
         return by_group
 
-    def _labelled(self, key: str) -> dict[str, set[_Node]]:
+    def _labelled(self, key: str) -> dict[str | None, set[_Node]]:
         index = self._by_label.get(key)
         if index is None:
             index = self._by_label[key] = defaultdict(set)

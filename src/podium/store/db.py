@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeAlias, TypeVar
 
 import asyncpg
 
@@ -198,6 +198,21 @@ Decider = Callable[
 ]
 
 
+#: A row as the driver returns it, read by column name: what the API's models are built from (the
+#: loops and the gateway get `rows.py`'s own types instead).
+Record: TypeAlias = Any
+
+
+class _Conn(Protocol):
+    """What the store's methods use of a pooled connection, typed: rows are `Record`s."""
+
+    async def fetch(self, query: str, *args: Any) -> list[Record]: ...
+    async def fetchrow(self, query: str, *args: Any) -> Record | None: ...
+    async def fetchval(self, query: str, *args: Any) -> Any: ...
+    async def execute(self, query: str, *args: Any) -> str: ...
+    def transaction(self) -> asyncpg.transaction.Transaction: ...
+
+
 async def _light_reset(_conn: asyncpg.Connection) -> None:
     """What a pooled connection needs between uses beyond asyncpg's own rollback of an open
     transaction: nothing. Pool connections never LISTEN (listeners have their own), never SET and
@@ -231,7 +246,7 @@ class Subscription:
 
     @property
     def closed(self) -> bool:
-        return self._conn.is_closed()
+        return bool(self._conn.is_closed())
 
     def is_closed(self) -> bool:
         return self.closed
@@ -304,7 +319,7 @@ class Store:
             return await migrate(conn)
 
     @asynccontextmanager
-    async def _conn(self) -> AsyncIterator[asyncpg.Connection]:
+    async def _conn(self) -> AsyncIterator[_Conn]:
         try:
             async with self.pool.acquire() as conn:
                 yield conn
@@ -397,13 +412,13 @@ class Store:
             by_id = {r["id"]: r for r in rows}
             return [(by_id[i], True) for i in ids]
         async with self._conn() as conn, conn.transaction():
-            rows = {r["id"]: r for r in await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named)}
-            missing = [k for i, k in zip(ids, keys, strict=True) if i not in rows]
+            inserted = {r["id"]: r for r in await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named)}
+            missing = [k for i, k in zip(ids, keys, strict=True) if i not in inserted]
             existing = {r["idempotency_key"]: r for r in await conn.fetch(self.q["tasks_by_idempotency_keys"], missing)} if missing else {}
             out = []
             for tid, key, spec_json in zip(ids, keys, specs, strict=True):
-                if tid in rows:
-                    out.append((rows[tid], True))
+                if tid in inserted:
+                    out.append((inserted[tid], True))
                 else:
                     out.append((self._same_submission(existing.get(key), key, spec_json), False))
         return out
@@ -598,7 +613,8 @@ class Store:
                 f"{prefix!r} is the start of more than one task id: {', '.join(ids)}{more}; type more of the id",
                 candidates=ids,
             )
-        return rows[0]["id"]
+        found: uuid.UUID = rows[0]["id"]
+        return found
 
     async def task_events(self, task_id: uuid.UUID, after: int, limit: int) -> list[asyncpg.Record]:
         """One page of a task's events in the order they happened, after event id `after`."""
@@ -802,6 +818,7 @@ class Store:
             old = prev["instance_id"] if prev is not None else None
             if not old or old == instance_id:
                 return NodeHello(row, materializations_before=before)
+            assert prev is not None  # `old` came from it
             message = f"instance {instance_id} ({peer or 'unknown peer'}) superseded instance {old} ({prev['instance_peer'] or 'unknown peer'})"
             await conn.fetchrow(
                 self.q["supersede_instance"], node_id, old, instance_id, prev["last_heartbeat_at"], handover_after,

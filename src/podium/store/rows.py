@@ -11,7 +11,6 @@ import dataclasses
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cache
 from typing import Any, TypeVar
 
 _R = TypeVar("_R", bound="Row")
@@ -40,9 +39,15 @@ class Row:
         return cls(**{k: record[k] for k in record.keys() if k in names})
 
 
-@cache
+_NAMES: dict[type[Row], tuple[str, ...]] = {}
+
+
 def _names(cls: type[Row]) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    names = _NAMES.get(cls)
+    if names is None:
+        assert dataclasses.is_dataclass(cls)
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,8 +113,8 @@ class ContainerBackend(Backend):
         # socket it tried: try it ourselves first, and say plainly what is not there
         self._probe()
         if self.host:
-            return docker.DockerClient(base_url=self.host, timeout=timeout)  # type: ignore[arg-type]
-        return docker.from_env(timeout=timeout)  # type: ignore[arg-type]
+            return docker.DockerClient(base_url=self.host, timeout=timeout)
+        return docker.from_env(timeout=timeout)
 
     @property
     def control(self) -> docker.DockerClient:

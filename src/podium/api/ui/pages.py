@@ -51,11 +51,12 @@ def _ago(t: datetime | None) -> str:
 def _mem(n: int | None) -> str:
     if not n:
         return "0"
+    size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(size)
 
 
 env.filters["when"] = _ago
@@ -429,5 +430,6 @@ def error_page(request: Request, exc: Exception) -> Response | None:
         if path.startswith("/ui/stream/"):
             return Response("sign in first", status_code=401)
         return _back("/signin", "sign in first" if isinstance(exc, SignedOut) else str(exc))
-    status = {Forbidden: 403, NotFound: 404, InvalidRequest: 422, Conflict: 409, StoreUnavailable: 503}.get(type(exc), 500)
+    codes: dict[type[Exception], int] = {Forbidden: 403, NotFound: 404, InvalidRequest: 422, Conflict: 409, StoreUnavailable: 503}
+    status = codes.get(type(exc), 500)
     return page(request, "error.html", status=status, who=None, message=str(exc), status_code=status)
