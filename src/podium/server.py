@@ -23,8 +23,8 @@ import uvicorn
 from podium import metrics
 from podium.api.app import create_app
 from podium.api.ui import close as close_ui
-from podium.pressure import DEFAULT_MAX_LAG, Pressure
 from podium.gateway.service import Gateway
+from podium.pressure import DEFAULT_MAX_LAG, Pressure
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.scheduler.resolver import ImageResolver, ResolveImage, registry_http_client
 from podium.scheduler.service import Scheduler
