@@ -147,12 +147,12 @@ def main(quick: bool) -> None:
         fleet = make_fleet(nodes, rnd)
         tasks = make_tasks(256, rnd, fleet)
         gc.collect()
-        singles = [clock(lambda t=t: select_node(t, fleet), 3) for t in tasks[:20]]  # type: ignore[misc]
+        singles = [clock(lambda t=t, fleet=fleet: select_node(t, fleet), 3) for t in tasks[:20]]  # type: ignore[misc]
         rows.append((f"select_node, 1 task, {nodes:,} nodes", ms(statistics.median(singles)), "median over 20 tasks of the mix"))
         gc.collect()
-        build = clock(lambda: Placer(fleet), repeat)
+        build = clock(lambda fleet=fleet: Placer(fleet), repeat)
         gc.collect()
-        total = clock(lambda: [p.place(t) for p in [Placer(fleet)] for t in tasks], repeat)
+        total = clock(lambda fleet=fleet, tasks=tasks: [p.place(t) for p in [Placer(fleet)] for t in tasks], repeat)
         rows.append((f"Placer build, {nodes:,} nodes", ms(build), ""))
         rows.append(
             (
@@ -163,7 +163,7 @@ def main(quick: bool) -> None:
         )
         if nodes == 1_000:
             gc.collect()
-            naive = clock(lambda: select_all(fleet, tasks), 1)
+            naive = clock(lambda fleet=fleet, tasks=tasks: select_all(fleet, tasks), 1)
             rows.append(("256 x select_node, 1,000 nodes (no index)", ms(naive), f"{len(tasks) / naive:7,.0f} tasks/s"))
 
     for label, host_labels in (("", False), (", host label", True)):

@@ -84,7 +84,8 @@ async def main(sizes: list[int], finished: int, claim_limit: int) -> None:
                 have = n
                 times, plan = await measure(store, claim_limit, 30)
                 print(f"{n:>9,} queued (+{finished:,} finished; filled in {fill:.1f}s): claim of {claim_limit} "
-                      f"median {statistics.median(times) * 1000:.2f} ms, max {max(times) * 1000:.2f} ms; plan: {plan_summary(plan)}")  # fmt: skip
+                      f"median {statistics.median(times) * 1000:.2f} ms, max {max(times) * 1000:.2f} ms; "
+                      f"plan: {plan_summary(plan)}")  # fmt: skip
         finally:
             await store.close()
             emb.stop()

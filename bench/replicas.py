@@ -53,8 +53,8 @@ import httpx
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))  # the same real-process helpers the acceptance tests use
-from tests import harness
-from tests.harness import Agent, Server
+from tests import harness  # noqa: E402 - importable only once the line above put the repository on the path
+from tests.harness import Agent, Server  # noqa: E402
 
 PG_URL = os.environ.get("PODIUM_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 PGBENCH = Path("/usr/lib/postgresql/15/bin/pgbench")
@@ -268,7 +268,8 @@ def pgbench() -> dict[str, Any]:
     asyncio.run(admin(f'DROP DATABASE IF EXISTS "{PGBENCH_DB}" WITH (FORCE)'))
     asyncio.run(admin(f'CREATE DATABASE "{PGBENCH_DB}"'))
     try:
-        init = subprocess.run([str(PGBENCH), *conn_args, "-i", "-s", "1", "-q", PGBENCH_DB], capture_output=True, text=True, timeout=300, check=False)
+        init = subprocess.run([str(PGBENCH), *conn_args, "-i", "-s", "1", "-q", PGBENCH_DB],
+                              capture_output=True, text=True, timeout=300, check=False)
         if init.returncode != 0:
             return {"error": init.stderr[-500:]}
         r = subprocess.run([str(PGBENCH), *conn_args, *PGBENCH_ARGS, PGBENCH_DB], capture_output=True, text=True, timeout=120, check=False)
@@ -328,7 +329,8 @@ def main() -> None:
     pgb = pgbench()
     commit = ""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(git, cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
     out = {
         "bench": "replicas",
         "machine": {

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -168,10 +169,8 @@ def summary(values: list[float]) -> dict[str, float]:
 
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"nproc": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()}
-    try:
+    with contextlib.suppress(OSError):
         info["loadavg"] = list(os.getloadavg())
-    except OSError:
-        pass
     try:
         info["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                                         timeout=10).stdout.strip()  # fmt: skip

@@ -846,7 +846,7 @@ async def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-async def server_metrics(server: Server) -> dict[str, Any]:
+async def server_metrics(server: ServerProc) -> dict[str, Any]:
     """The server's own podium_* metrics at the end of the run (totals over the whole run): where its
     batches went, how big and how slow they were, how late its event loop ran."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -993,7 +993,8 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"fleet: {c['connected']}/{c['nodes']} nodes connected in {c['seconds']} s "
                      f"({fmt(c['hellos_per_s'])} Hellos/s), reconnects {c['reconnects']}")  # fmt: skip
     lines.append("")
-    hdr = f"{'phase':<34} {'submit/s':>9} {'placed/s':>9} {'done/s':>8} {'assign p50/p95/p99 ms':>24} {'srv cpu':>8} {'pg cpu':>7} {'lag p50':>8} {'wxacts/s':>9} {'wxacts/task':>12}"
+    hdr = (f"{'phase':<34} {'submit/s':>9} {'placed/s':>9} {'done/s':>8} {'assign p50/p95/p99 ms':>24} {'srv cpu':>8} "
+           f"{'pg cpu':>7} {'lag p50':>8} {'wxacts/s':>9} {'wxacts/task':>12}")
     lines.append(hdr)
     lines.append("-" * len(hdr))
     for ph in res["phases"]:
@@ -1007,7 +1008,8 @@ def table(res: dict[str, Any]) -> str:
                 f"{fmt(sc.get('rate_per_s')):>8} "
                 f"{fmt(lat.get('p50')) + '/' + fmt(lat.get('p95')) + '/' + fmt(lat.get('p99')):>24} "
                 f"{fmt(u.get('server_cpu_cores')):>8} {fmt(u.get('postgres_cpu_cores')):>7} "
-                f"{fmt(ph.get('healthz_ms', {}).get('p50')):>8} {fmt(ph.get('podium_write_xacts_per_s')):>9} {fmt(ph.get('podium_write_xacts_per_task')):>12}"
+                f"{fmt(ph.get('healthz_ms', {}).get('p50')):>8} {fmt(ph.get('podium_write_xacts_per_s')):>9} "
+                f"{fmt(ph.get('podium_write_xacts_per_task')):>12}"
             )
         else:
             lines.append(

@@ -92,7 +92,8 @@ def sequential(runs: int) -> dict[str, list[float]]:
 
 def summary(xs: list[float]) -> str:
     xs = sorted(xs)
-    return f"median {statistics.median(xs) * 1000:.1f} ms, p90 {xs[int(len(xs) * 0.9)] * 1000:.1f} ms, min {xs[0] * 1000:.1f} ms, max {xs[-1] * 1000:.1f} ms"
+    return (f"median {statistics.median(xs) * 1000:.1f} ms, p90 {xs[int(len(xs) * 0.9)] * 1000:.1f} ms, "
+            f"min {xs[0] * 1000:.1f} ms, max {xs[-1] * 1000:.1f} ms")
 
 
 def main() -> None:

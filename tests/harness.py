@@ -3,6 +3,7 @@ started as its own process exactly as an operator would start it, with fast time
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -86,10 +87,8 @@ class Proc:
         if self.p.poll() is None:
             # SIGCONT first: a test may have left it stopped
             for sig in (signal.SIGCONT, signal.SIGTERM):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(self.p.pid, sig)
-                except ProcessLookupError:
-                    pass
             try:
                 self.p.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -295,7 +294,7 @@ def attempt_intervals(agents: list[Agent]) -> dict[str, list[tuple[float, float,
 
 def assert_at_most_one_attempt_at_once(agents: list[Agent]) -> None:
     for task, spans in attempt_intervals(agents).items():
-        for (s1, e1, tok1, n1), (s2, _e2, tok2, n2) in zip(spans, spans[1:]):
+        for (_s1, e1, tok1, n1), (s2, _e2, tok2, n2) in zip(spans, spans[1:], strict=False):
             assert e1 <= s2, (
                 f"task {task}: attempt {tok1} on {n1} was still running ({e1 - s2:.3f}s) when attempt {tok2} started on {n2}"
             )

@@ -32,7 +32,7 @@ from urllib.parse import quote
 import httpx
 import platformdirs
 
-__all__ = ["AsyncClient", "Client", "Event", "LogChunk", "Node", "Page", "PodiumError", "RunResult", "Task"]
+__all__ = ["AsyncClient", "Client", "Event", "LogChunk", "Node", "Page", "PodiumError", "RunResult", "Task", "TaskEnd"]
 
 RECONNECT_SECONDS = 120.0  # how long a stream keeps trying to get back to a server that went away
 DEFAULT_ADDR = "http://127.0.0.1:8642"

@@ -17,6 +17,7 @@ Protocol on stdin, one line each:  agent <pid> <create_time>
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -61,10 +62,8 @@ def _stop_postgres(pg_dir: Path) -> None:
     if alive:
         return  # another live process uses this PostgreSQL: it stops it when it is done
     # the handles of dead processes would keep the next clean stop from stopping it
-    try:
+    with contextlib.suppress(OSError):
         handles.write_text(json.dumps([]))
-    except OSError:
-        pass
     for sig, wait in ((signal.SIGINT, STOP_WAIT), (signal.SIGQUIT, 5.0), (signal.SIGKILL, 5.0)):
         try:
             proc.send_signal(sig)  # SIGINT: PostgreSQL's fast shutdown

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import ipaddress
 import json
@@ -200,7 +201,8 @@ class _Exchange:
             return digest
         content_type = r.headers.get("content-type", "").partition(";")[0].strip()
         if content_type not in MANIFEST_MEDIA_TYPES and not _looks_like_manifest(r.content):
-            raise ImageNotFound(self.ref.registry, f"the registry answered with {content_type or 'something'} that is not an image manifest")
+            raise ImageNotFound(self.ref.registry,
+                                f"the registry answered with {content_type or 'something'} that is not an image manifest")
         # A manifest's digest is the sha256 of its bytes exactly as served.
         return "sha256:" + hashlib.sha256(r.content).hexdigest()
 
@@ -236,10 +238,8 @@ def _registry_words(r: httpx.Response) -> tuple[set[str], str]:
 
 def _transport_words(e: httpx.HTTPError) -> str:
     where = ""
-    try:
+    with contextlib.suppress(RuntimeError):  # an error raised before any request was made has no .request
         where = f"{e.request.url.scheme}://{e.request.url.netloc.decode()}: "
-    except RuntimeError:  # an error raised before any request was made has no .request
-        pass
     return f"{where}{str(e) or type(e).__name__}"
 
 

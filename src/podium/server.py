@@ -24,8 +24,8 @@ import uvicorn
 from podium import metrics
 from podium.api.app import create_app
 from podium.api.ui import close as close_ui
-from podium.pressure import DEFAULT_MAX_LAG, Pressure
 from podium.gateway.service import Gateway
+from podium.pressure import DEFAULT_MAX_LAG, Pressure
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.scheduler.apply import Applier
 from podium.scheduler.reconcile import Reconciler

@@ -11,25 +11,23 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_serializer, field_validator, model_validator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_serializer,
+    field_validator,
+    model_validator,
 )  # fmt: skip
 
+from podium.images import parse_image
 from podium.units import parse_cpu, parse_duration, parse_size
 
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.\-/]{0,62}[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.\-/:]{0,128}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
-# An image reference as Docker and the OCI distribution spec read one: [registry[:port]/]path[:tag][@digest],
-# path components lower case. The grammar of distribution/reference, written out.
-_DOMAIN_PART = r"(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]*[A-Za-z0-9])"
-_DOMAIN = rf"(?:{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?"
-_PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_IMAGE = re.compile(
-    rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_PATH_PART}(?:/{_PATH_PART})*)"
-    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}))?$",
-    re.ASCII,
-)
 #: The network egress a task may require: none at all, or an open network.
 EGRESS_CONTEXTS = ("none", "open")
 
@@ -199,11 +197,16 @@ class TaskSpec(BaseModel):
     @field_validator("image")
     @classmethod
     def _image(cls, v: str | None) -> str | None:
-        if v is not None and not _IMAGE.match(v):
-            raise ValueError(
-                f"{v!r} is not an image reference; write it like registry.example.com/team/app:1.4, "
-                "busybox, or app@sha256:<digest> (path in lower case)"
-            )
+        if v is not None:
+            try:
+                parse_image(v)
+            except ValueError as e:
+                # images.parse_image names the part that is wrong; the example says how to write one
+                what = str(e).removeprefix(f"image {v!r}: ")
+                raise ValueError(
+                    f"{v!r} is not an image reference: {what}; write it like registry.example.com/team/app:1.4, "
+                    "busybox, or app@sha256:<digest>"
+                ) from None
         return v
 
     @field_validator("timeout")
@@ -235,18 +238,21 @@ class TaskSpec(BaseModel):
 
 def image_digest(image: str) -> str | None:
     """The digest an image reference is already pinned to (`app@sha256:…`), or None for a tag."""
-    m = _IMAGE.match(image)
-    return m.group("digest") if m else None
+    try:
+        return parse_image(image).digest
+    except ValueError:
+        return None
 
 
 def pinned_image(image: str, digest: str) -> str:
     """The reference that can only ever mean one image: the repository at `digest`, its tag dropped
-    (an engine would ignore the tag beside a digest anyway; leaving it out says so)."""
-    m = _IMAGE.match(image)
-    if m is None:
-        raise ValueError(f"{image!r} is not an image reference")
-    domain = m.group("domain")
-    return f"{domain}/{m.group('path')}@{digest}" if domain else f"{m.group('path')}@{digest}"
+    (an engine would ignore the tag beside a digest anyway; leaving it out says so). The name is
+    kept as the user wrote it (`busybox`, not docker.io/library/busybox)."""
+    parse_image(image)  # a ValueError naming what is wrong
+    rest = image.partition("@")[0]
+    colon = rest.rfind(":")  # the tag's ":" follows the last "/"; one before it is a registry's port
+    name = rest[:colon] if colon > rest.rfind("/") else rest
+    return f"{name}@{digest}"
 
 
 class SubmitRequest(TaskSpec):

@@ -44,7 +44,9 @@ def parse_size(value: str | int | float) -> int:
     number, unit = m.groups()
     factor = _SIZE_UNITS.get(unit.lower())
     if factor is None:
-        raise ValueError(f"{value!r} has an unknown unit {unit!r}; use one of K, M, G, T (powers of 1000) or Ki, Mi, Gi, Ti (powers of 1024)")
+        raise ValueError(
+            f"{value!r} has an unknown unit {unit!r}; use one of K, M, G, T (powers of 1000) or Ki, Mi, Gi, Ti (powers of 1024)"
+        )
     return _bounded(int(float(number) * factor), value)
 
 
@@ -62,10 +64,7 @@ def parse_cpu(value: str | int | float) -> int:
     if isinstance(value, str):
         text = value.strip()
         try:
-            if text.endswith("m"):
-                millis = float(text[:-1])
-            else:
-                millis = float(text) * 1000
+            millis = float(text[:-1]) if text.endswith("m") else float(text) * 1000
         except ValueError:
             raise ValueError(f"{value!r} is not a CPU amount; write cores like 0.5 or 2, or millicores like 500m") from None
     else:

@@ -10,8 +10,8 @@ import sys
 
 from podium import reasons
 from tests.acceptance.conftest import Cluster
-from tests.harness import base_env, cli, wait_for
 from tests.acceptance.test_faults import running_on
+from tests.harness import base_env, cli, wait_for
 
 
 def test_drain_wait_returns_when_running_work_has_finished(cluster: Cluster) -> None:

@@ -43,7 +43,7 @@ def assert_runs_never_overlap(gt: Path) -> dict[str, tuple[float, float]]:
         first, last = spans.get(pid, (t, t))
         spans[pid] = (min(first, t), max(last, t))
     ordered = sorted(spans.items(), key=lambda kv: kv[1][0])
-    for (p1, (_s1, e1)), (p2, (s2, _e2)) in zip(ordered, ordered[1:]):
+    for (p1, (_s1, e1)), (p2, (s2, _e2)) in zip(ordered, ordered[1:], strict=False):
         assert e1 < s2, f"run {p1} was still writing {e1 - s2:.3f}s after run {p2} started"
     return spans
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.acceptance.conftest import Cluster
-from tests.harness import ADMIN_TOKENS, Api, base_env, cli, wait_for
+from tests.harness import ADMIN_TOKENS, Api, Server, base_env, cli, wait_for
 
 TERMINAL = ("succeeded", "failed", "cancelled", "lost")
 
@@ -156,6 +156,16 @@ def test_offsets_let_a_client_resume_exactly(cluster: Cluster) -> None:
         assert r.status_code == 422 and word in r.json()["error"], (bad, r.text)
 
 
+def kill_and_restart_while_writing(cluster: Cluster, srv: Server, written: Path) -> Server:
+    """SIGKILL the server while a task writes to `written`; once it has written more with no server
+    to send it to (the agent keeps it and sends it again to the next server), start it again."""
+    srv.signal(signal.SIGKILL)
+    srv.p.wait(10)  # type: ignore[union-attr]
+    at_kill = written.stat().st_size
+    wait_for(lambda: written.stat().st_size > at_kill + 2000, 60, what="output written while the server is down")
+    return cluster.server(port=srv.port, grpc_port=srv.grpc_port)
+
+
 def test_output_survives_a_server_killed_mid_output(cluster: Cluster, tmp_path: Path) -> None:
     srv = cluster.server()
     cluster.agent("a1")
@@ -172,12 +182,7 @@ def test_output_survives_a_server_killed_mid_output(cluster: Cluster, tmp_path: 
     )  # fmt: skip
     try:
         wait_for(lambda: len(chunks(cluster.api, tid)) >= 5, 60, what="some output stored")
-        srv.signal(signal.SIGKILL)
-        srv.p.wait(10)  # type: ignore[union-attr]
-        at_kill = written.stat().st_size
-        # output the server never saw: the agent keeps it and sends it again to the next server
-        wait_for(lambda: written.stat().st_size > at_kill + 2000, 60, what="output written while the server is down")
-        srv2 = cluster.server(port=srv.port, grpc_port=srv.grpc_port)
+        srv2 = kill_and_restart_while_writing(cluster, srv, written)
         wait_for(lambda: len(chunks(cluster.api, tid)) > 0, 60, what="the restarted server")
         stop.touch()
         assert cluster.api.wait_state(tid, TERMINAL, 120)["state"] == "succeeded"
@@ -211,11 +216,7 @@ def test_podium_run_survives_a_server_restart_mid_output(cluster: Cluster, tmp_p
     )  # fmt: skip
     try:
         wait_for(lambda: written.exists() and written.stat().st_size > 2000, 60, what="the task writing output")
-        srv.signal(signal.SIGKILL)
-        srv.p.wait(10)  # type: ignore[union-attr]
-        at_kill = written.stat().st_size
-        wait_for(lambda: written.stat().st_size > at_kill + 2000, 60, what="output written while the server is down")
-        cluster.server(port=srv.port, grpc_port=srv.grpc_port)
+        kill_and_restart_while_writing(cluster, srv, written)
         tid = wait_for(lambda: next(iter(cluster.api.http.get("/v1/tasks", params={"name": "restarted"}).json()), None), 60,
                        what="the restarted server")  # fmt: skip
         stop.touch()

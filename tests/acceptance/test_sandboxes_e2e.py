@@ -146,7 +146,7 @@ def test_a_container_attempt_holds_its_capacity_until_its_node_proves_the_sandbo
     # the exit alone frees nothing: the node shows the slot as still releasing
     node = api.wait_node("box", 30)
     assert (node["reserved"]["slots"], node["releasing"]["slots"]) == (1, 1)
-    assert "1 (" in " ".join(l for l in cli(srv.api, "nodes", extra_env=WIDE).stdout.splitlines() if " box " in l)
+    assert "1 (" in " ".join(line for line in cli(srv.api, "nodes", extra_env=WIDE).stdout.splitlines() if " box " in line)
     assert "proven removed" in _show(srv.api, tid)[1]
 
     refused = _refused_proofs(srv.api)
@@ -215,7 +215,7 @@ def test_run_with_an_image_and_bad_input_in_one_clear_line(cluster: Cluster) -> 
 def test_a_container_assign_that_cannot_be_sent_frees_its_capacity_at_once(cluster: Cluster) -> None:
     """Its secret was deleted before the Assign: the node never got anything, so there is nothing for
     it to prove removed — the capacity is released with the end."""
-    srv = cluster.server()
+    cluster.server()
     api = cluster.api
     assert api.http.put("/v1/secrets/db-password", json={"value": "hunter2"}).status_code == 201
     tid = api.submit(backend="container", image=f"busybox@{DIGEST}", secrets=[{"name": "db-password", "env": "PW"}],

@@ -145,7 +145,8 @@ def test_secrets_reach_only_the_task_and_never_show(cluster: Cluster) -> None:
     assert bad.returncode == 1 and "'nope'" in bad.stderr and "podium secret set" in bad.stderr
     assert json.loads(cli(srv.api, "ls", "--json").stdout) == []
     # the task gets it, prints it whole and split across two writes: the stored logs never have it
-    script = 'echo "plain: $DB_PASSWORD"; printf "split: %.7s" "$DB_PASSWORD"; sleep 0.3; printf "%s\\n" "${DB_PASSWORD#???????}"; test -n "$DB_PASSWORD"'
+    script = ('echo "plain: $DB_PASSWORD"; printf "split: %.7s" "$DB_PASSWORD"; sleep 0.3; '
+              'printf "%s\\n" "${DB_PASSWORD#???????}"; test -n "$DB_PASSWORD"')
     run = cli(srv.api, "run", "--secret", "db-password:DB_PASSWORD", "--", "sh", "-c", script)
     assert run.returncode == 0, run.stderr
     assert SECRET not in run.stdout and SECRET[:7] not in run.stdout.replace("********", "")

@@ -34,7 +34,7 @@ def test_a_frozen_node_is_told_as_unreachable_and_runs_the_task_when_it_thaws(cl
         try:
             cluster.api.wait_node("a", 30, health="unreachable", connected=True)
             tid = cluster.api.submit(command=["sh", "-c", "echo thawed"])["id"]
-            told = wait_for(lambda: (t := cluster.api.task(tid))["reason"] != reasons.WAITING and t, 30,
+            told = wait_for(lambda tid=tid: (t := cluster.api.task(tid))["reason"] != reasons.WAITING and t, 30,
                             what="placement to tell the task why it waits")  # fmt: skip
             explained = cli(srv.api, "explain", tid, extra_env=WIDE)
             listed = cli(srv.api, "nodes", extra_env=WIDE)

@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings

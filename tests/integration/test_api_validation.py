@@ -255,7 +255,8 @@ async def test_a_good_request_does_change_things(api: Api) -> None:
     assert after["tasks"] != before["tasks"]
 
     before = after
-    response = await api.client.put("/v1/nodes/n1/labels", json={"labels": {"zone": "eu-2"}}, headers={"Authorization": api.tokens["operator"]})
+    response = await api.client.put("/v1/nodes/n1/labels", json={"labels": {"zone": "eu-2"}},
+                                    headers={"Authorization": api.tokens["operator"]})
     assert response.status_code == 200, response.text
     assert (await api.snapshot())["nodes"] != before["nodes"]
 

@@ -178,7 +178,8 @@ async def test_egress_none_cannot_reach_the_node_and_open_can(backend: Container
             if cfg.get("Gateway")
         ]
         assert gateways, "the engine's default network has no gateway"
-        probe = f"nc -w 5 {gateways[0]} {port} </dev/null && echo reached-gateway; nc -w 5 127.0.0.1 {port} </dev/null && echo reached-loopback; true"
+        probe = (f"nc -w 5 {gateways[0]} {port} </dev/null && echo reached-gateway; "
+                 f"nc -w 5 127.0.0.1 {port} </dev/null && echo reached-loopback; true")
 
         out, res, h = await run(backend, spec("sh", "-c", probe, egress=EGRESS_NONE))
         assert res.exit_code == 0

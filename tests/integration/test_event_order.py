@@ -12,6 +12,7 @@ from podium.store import Store
 from podium.store.ui import UiStore
 from tests.integration.helpers import add_node, submit
 
+
 async def wait_async(read, timeout: float = 30.0):  # type: ignore[no-untyped-def]
     deadline = asyncio.get_running_loop().time() + timeout
     while True:

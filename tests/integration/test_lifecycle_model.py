@@ -147,7 +147,7 @@ def check_invariants(w: World) -> None:  # noqa: C901 - one list of promises, re
         # ---- attempts in order, counted, within budget --------------------------------------------
         assert [a["attempt"] for a in atts] == list(range(1, len(atts) + 1)), f"{where}: attempt numbers {atts}"
         tokens = [a["fencing_token"] for a in atts]
-        assert all(x < y for x, y in zip(tokens, tokens[1:])), f"{where}: fencing tokens do not increase: {tokens}"
+        assert all(x < y for x, y in zip(tokens, tokens[1:], strict=False)), f"{where}: fencing tokens do not increase: {tokens}"
         assert t["attempts"] == len(atts), f"{where}: attempts={t['attempts']} but {len(atts)} attempt rows"
         assert t["attempts"] <= t["max_attempts"], f"{where}: {t['attempts']} attempts > max_attempts {t['max_attempts']}"
         if atts:
@@ -157,7 +157,7 @@ def check_invariants(w: World) -> None:  # noqa: C901 - one list of promises, re
         evs = w.events.get(tid, [])
         assert evs, f"{where} has no history"
         assert (evs[0]["from_state"], evs[0]["to_state"]) == (None, "queued"), f"{where}: first event {evs[0]}"
-        for prev, ev in zip(evs, evs[1:]):
+        for prev, ev in zip(evs, evs[1:], strict=False):
             assert prev["to_state"] not in TERMINAL, (
                 f"{where}: history leaves the end {prev['to_state']} → {ev['to_state']} ({ev['actor']}, {ev['reason']})"
             )
@@ -467,7 +467,7 @@ class Model:
 
     def start(self, fleet: list[tuple[int, int]]) -> None:
         self.sql("TRUNCATE tasks, attempts, task_events, log_chunks, nodes CASCADE")
-        for nid, (slots, gpus) in zip(NODE_IDS, fleet):
+        for nid, (slots, gpus) in zip(NODE_IDS, fleet, strict=False):
             assert self.run(hello(self.store, nid, slots, gpus)) is not None
             self.nodes.append(nid)
             self.gpus[nid] = gpus

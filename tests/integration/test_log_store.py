@@ -92,7 +92,9 @@ def unmigrated_url(pg: PgServer) -> Iterator[str]:
 async def test_output_stored_before_offsets_keeps_its_bytes_and_order_within_each_stream(unmigrated_url: str) -> None:
     conn = await asyncpg.connect(unmigrated_url)
     try:
-        await conn.execute("CREATE TABLE schema_migrations (version int PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())")
+        await conn.execute(
+            "CREATE TABLE schema_migrations (version int PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
         # every migration but 0006 (no later one touches log_chunks), so the store's code of today can
         # place a task on this schema; 0006 then meets output stored the old way
         for version, name, sql in migration_files():

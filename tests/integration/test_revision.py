@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from podium.api.app import create_app
 from podium.scheduler.service import Scheduler
 from podium.security.secretbox import SecretBox
 from podium.security.service import Security
@@ -18,7 +19,6 @@ from podium.security.tokens import Role
 from podium.states import TaskState
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from podium.api.app import create_app
 from tests.integration.helpers import add_node, place, submit
 
 

@@ -135,7 +135,8 @@ def run(seconds: float, seed: int, hosts: int = 3, rate: float = 3.0, soak_perio
         deadline = time.monotonic() + 60
         while fleet.online_nodes() < hosts and time.monotonic() < deadline:
             time.sleep(0.2)
-        log(f"fleet: {len(fleet.replicas)} replicas, {fleet.online_nodes()}/{hosts} agents online after {time.monotonic() - t0:.1f}s; run dir {root}")
+        log(f"fleet: {len(fleet.replicas)} replicas, {fleet.online_nodes()}/{hosts} agents online "
+            f"after {time.monotonic() - t0:.1f}s; run dir {root}")
         workload = Workload(fleet, seed + 1, rate=rate, log=log)
         nemesis = Nemesis(fleet, seed, interval=fault_interval, log=log)
         if soak_period:

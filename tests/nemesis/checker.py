@@ -132,7 +132,8 @@ async def check(conn: asyncpg.Connection, rec: Record, truth: dict[str, list[dic
             if late:
                 # the server may write `cancelled` after CancelGrace without the node (by design);
                 # noted, and the process must still be gone by now (still-running above)
-                v.notes.append(("cancelled-before-stopped", f"task {tid}: written cancelled {late[0]['last'] - fin:.2f}s before its process stopped"))
+                v.notes.append(("cancelled-before-stopped",
+                                f"task {tid}: written cancelled {late[0]['last'] - fin:.2f}s before its process stopped"))
 
     # 3. every task's state and reason against the truth
     free_nodes = [n for n in nodes if n["health"] == "online" and n["connected"] and not n["draining"]

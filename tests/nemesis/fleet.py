@@ -17,6 +17,7 @@ next one. It must never reach anything but loopback and the namespaces it made.
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import re
 import secrets
@@ -151,10 +152,8 @@ class Proc:
             return
         assert self.p is not None
         for sig in (signal.SIGCONT, signal.SIGTERM):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
         try:
             self.p.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -35,7 +35,8 @@ class Active:
 
 class Nemesis:
     def __init__(self, fleet: Fleet, seed: int, interval: tuple[float, float] = (1.0, 4.0),
-                 duration: tuple[float, float] = (1.0, 6.0), long: tuple[float, float] = (10.0, 25.0), kinds: tuple[str, ...] = KINDS, log: Any = print) -> None:  # fmt: skip
+                 duration: tuple[float, float] = (1.0, 6.0), long: tuple[float, float] = (10.0, 25.0),
+                 kinds: tuple[str, ...] = KINDS, log: Any = print) -> None:  # fmt: skip
         self.fleet = fleet
         self.rng = random.Random(seed)
         self.interval, self.duration, self.long = interval, duration, long

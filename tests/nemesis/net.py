@@ -9,6 +9,7 @@ namespace or interface it did not create. It must never route beyond the bridge 
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -46,10 +47,8 @@ def cleanup_stale(log: callable = print) -> int:  # type: ignore[valid-type]
         if m and not _alive(int(m.group(1))):
             # whatever still runs in it (an agent, its tasks) goes first: it was that run's
             for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
-                try:
+                with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
             sh("ip", "netns", "del", name, check=False)
             removed += 1
     for line in sh("ip", "-o", "link", "show", check=False).stdout.splitlines():

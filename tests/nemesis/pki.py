@@ -44,7 +44,9 @@ class FleetPki:
         self.ca_cert = d / "ca.pem"
         self.ca_cert.write_bytes(self.ca.public_bytes(serialization.Encoding.PEM))
 
-    def _leaf(self, cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    def _leaf(
+        self, cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]
+    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         key = ec.generate_private_key(ec.SECP256R1())
         b = (
             x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.ca.subject).public_key(key.public_key())

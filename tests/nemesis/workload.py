@@ -150,8 +150,9 @@ class Workload:
 
     def undrain_due(self, everything: bool = False) -> None:
         for node, when in list(self.drained.items()):
-            if everything or time.monotonic() >= when:
-                if (r := self._call("POST", f"/v1/nodes/{node}/undrain", tries=20)) is not None and r.status_code == 200:
+            if (everything or time.monotonic() >= when) and (
+                (r := self._call("POST", f"/v1/nodes/{node}/undrain", tries=20)) is not None and r.status_code == 200
+            ):
                     del self.drained[node]
                     self.rec.ops["undrain"] += 1
 

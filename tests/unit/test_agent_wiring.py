@@ -25,4 +25,4 @@ def test_limits_come_from_the_spec_as_stored() -> None:
 
 
 def test_a_node_reports_only_the_classes_the_server_takes_from_a_node() -> None:
-    assert _REPORTED_CLASSES == {c.value for c in NODE_REPORTED} and _REPORTED_CLASSES <= FAILURE_CLASSES
+    assert {c.value for c in NODE_REPORTED} == _REPORTED_CLASSES and _REPORTED_CLASSES <= FAILURE_CLASSES

@@ -72,7 +72,8 @@ def _response(status: int, body: object = None) -> httpx.Response:
 @pytest.mark.parametrize(
     "status,body,cls,words",
     [
-        (401, {"errors": [{"code": "UNAUTHORIZED", "message": "authentication required"}]}, RegistryCredentialsRefused, "authentication required"),
+        (401, {"errors": [{"code": "UNAUTHORIZED", "message": "authentication required"}]}, RegistryCredentialsRefused,
+         "authentication required"),
         (403, None, RegistryCredentialsRefused, "403 Forbidden"),
         (404, {"errors": [{"code": "MANIFEST_UNKNOWN", "message": "manifest unknown"}]}, ImageNotFound, "manifest unknown"),
         (404, None, ImageNotFound, "404 Not Found"),

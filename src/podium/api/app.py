@@ -16,7 +16,18 @@ from podium import __version__
 from podium.api.guard import RequestGuard
 from podium.api.routes import ROUTERS
 from podium.api.ui import install as install_ui
-from podium.errors import Ambiguous, Conflict, Contention, Forbidden, InvalidRequest, NotFound, Overloaded, PreconditionFailed, StoreUnavailable, Unauthorized
+from podium.errors import (
+    Ambiguous,
+    Conflict,
+    Contention,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    PreconditionFailed,
+    StoreUnavailable,
+    Unauthorized,
+)
 from podium.pressure import Pressure
 from podium.scheduler.service import Scheduler
 from podium.security.service import Security

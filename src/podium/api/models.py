@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from podium.security.tokens import Role
 from podium.spec import MAX_BATCH, SubmitRequest, validate_labels
-
 from podium.states import TERMINAL, TaskState
 
 

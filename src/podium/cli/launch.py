@@ -19,10 +19,22 @@ import typer
 from rich.markup import escape
 
 from podium.cli.base import (
-    EXIT_BUSY, EXIT_REFUSED, EXIT_SUPERSEDED, CliError, app, db_app, default_data_dir, err, labels, out, parse, setup_logging,
+    EXIT_BUSY,
+    EXIT_REFUSED,
+    EXIT_SUPERSEDED,
+    CliError,
+    app,
+    db_app,
+    default_data_dir,
+    err,
+    labels,
+    out,
+    parse,
+    setup_logging,
 )  # fmt: skip
 from podium.client import Client, LogChunk, PodiumError, token_file
 from podium.units import parse_cpu, parse_duration, parse_size
+
 
 @app.command()
 def server(
@@ -99,16 +111,18 @@ def agent(
     ca_file: Annotated[Path | None, typer.Option(help="verify the server with this CA (PEM); implies TLS")] = None,
     cert: Annotated[Path | None, typer.Option(help="client certificate (PEM) for mutual TLS")] = None,
     key: Annotated[Path | None, typer.Option(help="client key (PEM) for mutual TLS")] = None,
-    backend: Annotated[list[str], typer.Option("--backend", help="what this node runs: process, container; repeatable (default: process)")] = [],  # noqa: B006
-    container_host: Annotated[str | None, typer.Option(help="the container engine's API (unix:///run/podman/podman.sock, tcp://…); default DOCKER_HOST, else the engine's default socket")] = None,
+    backend: Annotated[list[str], typer.Option(
+        "--backend", help="what this node runs: process, container; repeatable (default: process)")] = [],  # noqa: B006
+    container_host: Annotated[str | None, typer.Option(
+        help="the container engine's API (unix:///run/podman/podman.sock, tcp://…); default DOCKER_HOST, "
+             "else the engine's default socket")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run an agent: join a server (PODIUM_JOIN_TOKEN the first time) and run what it assigns."""
+    from podium import lockfile
     from podium.agent import facts
     from podium.agent.agent import Agent, AgentConfig
     from podium.timing import timing_from_env
-
-    from podium import lockfile
 
     setup_logging(verbose)
     backends = list(dict.fromkeys(b.strip().lower() for b in backend if b.strip())) or ["process"]
@@ -192,13 +206,14 @@ def dev(
     grpc_port: Annotated[int, typer.Option(help="port the local agent connects to")] = 8643,
     data_dir: Annotated[Path | None, typer.Option(help="data directory (default: the user data dir)")] = None,
     demo: Annotated[bool, typer.Option(help="submit a first task and show it running")] = False,
-    containers: Annotated[bool, typer.Option("--containers", help="the local agent also runs container tasks while an engine is reachable (DOCKER_HOST, else the default socket)")] = False,
+    containers: Annotated[bool, typer.Option(
+        "--containers", help="the local agent also runs container tasks while an engine is reachable (DOCKER_HOST, else the "
+                             "default socket)")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Everything on this machine in one command: embedded PostgreSQL, a server and one local agent."""
-    from podium.server import PodiumServer, ServerConfig, install_signal_handlers
-
     from podium import lockfile
+    from podium.server import PodiumServer, ServerConfig, install_signal_handlers
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ddir = data_dir or default_data_dir()

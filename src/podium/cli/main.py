@@ -21,7 +21,16 @@ from podium.client import PodiumError
 from podium.cli import launch, tasks, fleet, specs, admin  # noqa: F401
 # isort: on
 from podium.cli.base import (  # noqa: F401 - the exit codes are this module's public names (tests import them here)
-    EXIT_BUSY, EXIT_CANCELLED, EXIT_NO_RUNNER, EXIT_OTHER, EXIT_REFUSED, EXIT_SUPERSEDED, EXIT_TIMEOUT, CliError, app, err,
+    EXIT_BUSY,
+    EXIT_CANCELLED,
+    EXIT_NO_RUNNER,
+    EXIT_OTHER,
+    EXIT_REFUSED,
+    EXIT_SUPERSEDED,
+    EXIT_TIMEOUT,
+    CliError,
+    app,
+    err,
 )  # fmt: skip
 
 

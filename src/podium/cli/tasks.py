@@ -13,11 +13,25 @@ from rich.text import Text
 from podium.cli import render
 from podium.cli.contract import print_attempt_record
 from podium.cli.base import (
-    EXIT_CANCELLED, EXIT_NO_RUNNER, EXIT_OTHER, EXIT_TIMEOUT, CliError, JsonOpt, ServerOpt, app, err, labels, out, parse, read_spec,
-    connect, validate,
+    EXIT_CANCELLED,
+    EXIT_NO_RUNNER,
+    EXIT_OTHER,
+    EXIT_TIMEOUT,
+    CliError,
+    JsonOpt,
+    ServerOpt,
+    app,
+    connect,
+    err,
+    labels,
+    out,
+    parse,
+    read_spec,
+    validate,
 )  # fmt: skip
 from podium.client import Client, LogChunk, TaskEnd
 from podium.units import format_cpu, format_size, parse_cpu, parse_duration, parse_size
+
 
 @app.command(context_settings={"allow_interspersed_args": False})
 def run(

@@ -87,7 +87,7 @@ class _Node:
 
 def _bounds(block: list[Key]) -> list[float]:
     """_bounds is the largest free amount per dimension in a block (exact when computed)."""
-    return [max(dim) for dim in zip(*(key[2].free for key in block))]
+    return [max(dim) for dim in zip(*(key[2].free for key in block), strict=False)]
 
 
 class _Ranked:

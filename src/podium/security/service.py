@@ -118,7 +118,8 @@ class Security:
         if parsed is None:
             raise Unauthorized("a new node must present a join token (PODIUM_JOIN_TOKEN)")
         trow = await self.store.get_token(parsed[0])
-        if trow is None or trow["role"] != Role.JOIN or trow["revoked_at"] is not None or not tokens.matches(parsed[1], trow["secret_hash"]):
+        if (trow is None or trow["role"] != Role.JOIN or trow["revoked_at"] is not None
+                or not tokens.matches(parsed[1], trow["secret_hash"])):
             raise Unauthorized("the join token is not valid")
         credential_out, digest = tokens.new_node_credential()
         if not await self.store.enrol_node(node_id, digest):

@@ -112,7 +112,9 @@ async def logs(
     cursor: Annotated[str | None, Query(max_length=64, description="return what comes after the chunk with this cursor")] = None,
     stream: Annotated[Literal["stdout", "stderr"] | None, Query(description="only this stream")] = None,
     offset: Annotated[int | None, Query(ge=0, le=BIGINT_MAX, description="with `stream`: from this byte of the stream on")] = None,
-    attempt: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="only this attempt (with `offset`: the latest by default)")] = None,
+    attempt: Annotated[
+        int | None, Query(ge=1, le=2**31 - 1, description="only this attempt (with `offset`: the latest by default)")
+    ] = None,
     encoding: Annotated[Literal["utf-8", "base64"], Query(description="how `data` carries the bytes")] = "utf-8",
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     follow: Annotated[bool, Query(description="stream NDJSON until the task ends")] = False,

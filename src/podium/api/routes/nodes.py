@@ -67,7 +67,9 @@ async def drain(
     node: str,
     who: Operator,
     store: StoreDep,
-    deadline: Annotated[str | None, Query(description="e.g. 10m: past it, what still runs there is requeued or lost by its node-loss policy")] = None,
+    deadline: Annotated[
+        str | None, Query(description="e.g. 10m: past it, what still runs there is requeued or lost by its node-loss policy")
+    ] = None,
 ) -> NodeOut:
     """Take no new work on this node; what it runs finishes (or, past `deadline`, goes through
     its node-loss policy). `drain_phase` says when it is drained: nothing left, safe to power off."""

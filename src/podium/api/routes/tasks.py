@@ -13,7 +13,18 @@ from fastapi.responses import JSONResponse
 from podium import reasons
 from podium.api.deps import Admission, Operator, SchedulerDep, SecurityDep, StoreDep, Viewer, audit, revision_of, task_ref
 from podium.api.models import (
-    BatchIn, CheckOut, ErrorOut, EventOut, ExplainOut, SubmitResponse, TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, task_out,
+    BatchIn,
+    CheckOut,
+    ErrorOut,
+    EventOut,
+    ExplainOut,
+    SubmitResponse,
+    TaskDetail,
+    TaskOut,
+    VerdictOut,
+    attempt_out,
+    event_out,
+    task_out,
 )  # fmt: skip
 from podium.api.paging import AFTER_DOC, COUNT_DOC, ERRORS, PAGED, REMAINING_CAP, cursor, page, uncursor
 from podium.errors import InvalidRequest

@@ -10,7 +10,6 @@ scheduler calls as the REST API, and must never render a byte of task output or 
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,8 +18,8 @@ from fastapi.staticfiles import StaticFiles
 
 from podium.api import events
 from podium.api.session import Sessions, SignedOut
-from podium.errors import Conflict, Forbidden, InvalidRequest, NotFound, StoreUnavailable, Unauthorized
 from podium.api.ui import docs, pages
+from podium.errors import Conflict, Forbidden, InvalidRequest, NotFound, StoreUnavailable, Unauthorized
 from podium.scheduler.service import Scheduler
 from podium.security.service import Security
 from podium.store import Store
