@@ -42,6 +42,7 @@ from podium.agent.backends.base import (
     RunSpec,
     StartFailed,
 )
+from podium.agent import materialize
 from podium.agent.backends.process import ProcessBackend
 from podium.agent.fence import FenceKeeper
 from podium.security.masking import Masker
@@ -287,7 +288,7 @@ class Agent:
         def offered(fps: dict[str, Fingerprint]) -> tuple[object, ...]:
             live = [fp for fp in fps.values() if fp.available]
             return (sorted(fp.kind for fp in live), sorted({e for fp in live for e in fp.egress}),
-                    any(fp.enforces_limits for fp in live))  # fmt: skip
+                    any(fp.enforces_limits for fp in live), materialize.runtimes(fps))  # fmt: skip
 
         return bool(before) and offered(before) != offered(after), self._artifacts(before) != self._artifacts(after)
 
@@ -388,6 +389,7 @@ class Agent:
             enforces_limits=any(fp.available and fp.enforces_limits for fp in self.fingerprints.values()),
             protocol_min=1, protocol_max=1, gpu_indexes=c.gpu_indexes, agent_version=__version__,
             instance_id=self.instance_id, max_operations=c.max_operations,
+            materializations=materialize.snapshots(self.fingerprints, c.arch),
             tasks=[pb.RunningTask(task_id=a.task_id, fencing_token=a.token, phase=a.phase)
                    for a in self.attempts.values()],
         ))  # fmt: skip

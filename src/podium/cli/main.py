@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from podium.cli.client import Client, CliError, Listing, token_file
-from podium.cli.contract import print_attempt_record
+from podium.cli.contract import print_attempt_record, print_node_record
 from podium.spec import SubmitRequest, parse_label_pairs
 from podium.units import format_cpu, format_size, parse_cpu, parse_duration, parse_size
 
@@ -770,12 +770,20 @@ def cancel(
 
 @app.command()
 def nodes(
+    node: Annotated[str | None, typer.Argument(help="one node (id, name, or the start of either): its whole record")] = None,
     limit: Annotated[int, typer.Option(min=1, help="show this many (any number: the CLI pages through them)")] = 1000,
     all_: Annotated[bool, typer.Option("--all", help="show every node")] = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """List nodes with their health and capacity."""
+    """List nodes with their health and capacity (or one node's whole record)."""
+    if node is not None:
+        d = Client(server).node(node)
+        if json_out:
+            print(json.dumps(d, indent=2))
+        else:
+            print_node_record(out, d)
+        return
     listing = Client(server).nodes(None if all_ else limit)
     rows = listing.rows
     if json_out:

@@ -31,7 +31,7 @@ from podium.scheduler.service import Scheduler, facts
 from podium.security.secretbox import SecretUnreadable
 from podium.security.service import SecretMissing, Security
 from podium.states import TaskState
-from podium.gateway.snapshots import check_materializations, hello_facts
+from podium.gateway.snapshots import check_materializations, hello_facts, revalidate
 from podium.store import Change, Store
 from podium.timing import Timing
 from podium import reasons
@@ -472,6 +472,10 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         if row is None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this node was removed from the fleet")
             return
+        # a runtime that changed under the node's attempts: they are rechecked now. If the store is
+        # away, the reconcile loop still finds the change at its next regular check of each attempt.
+        with contextlib.suppress(StoreUnavailable):
+            await revalidate(self.store, hello.node_id, decided.materializations_before, hello)
         old = self.sessions.get(hello.node_id)
         if old is not None:
             if decided.superseded is not None and old.instance_id == decided.superseded:
