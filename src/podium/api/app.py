@@ -29,7 +29,7 @@ from podium.api.models import (
     AuditOut, BatchIn, CheckOut, ErrorOut, EventOut, ExplainOut, LabelsIn, RegistryLoginIn, SecretIn, SecretOut, TokenCreated, TokenIn, TokenOut, LogChunkOut, LogsOut, NamedSpecOut, NodeEventOut, NodeOut, SubmitNamedIn, SubmitResponse,
     TaskDetail, TaskOut, VerdictOut, attempt_out, event_out, named_spec_out, node_out, task_out,
 )  # fmt: skip
-from podium.errors import Ambiguous, Conflict, Contention, Forbidden, InvalidRequest, NotFound, Overloaded, PreconditionFailed, StoreUnavailable, Unauthorized
+from podium.errors import Ambiguous, Conflict, Contention, Forbidden, InvalidRequest, NotFound, Overloaded, PreconditionFailed, ProfileRevisionMismatch, StoreUnavailable, Unauthorized
 from podium.pressure import Pressure
 from podium.security.service import REGISTRY_PREFIX, Principal, Security, validate_registry_host
 from podium.security.tokens import Role
@@ -161,6 +161,7 @@ _UUID_PREFIX = re.compile(r"^[0-9a-fA-F][0-9a-fA-F-]{0,35}$")
 # Podium's errors and the HTTP status each one is; the message is the exception's own sentence.
 _STATUS: dict[type[Exception], int] = {
     InvalidRequest: 422, NotFound: 404, Conflict: 409, Unauthorized: 401, Forbidden: 403, PreconditionFailed: 412,
+    ProfileRevisionMismatch: 409,
 }
 
 _bearer = HTTPBearer(auto_error=False, description="an operator token: pdm_<id>.<secret>")
