@@ -192,3 +192,31 @@ async def test_a_node_whose_runtime_changed_has_its_attempts_rechecked(store: St
     row = await attempt(store, tid)
     assert row["last_reconcile_result"] == reasons.RECONCILED_RUNTIME_CHANGED
     assert (await store.get_task(tid))["state"] == "running"
+
+
+async def test_a_node_prepares_no_more_than_its_operations_and_explain_says_so(store: Store) -> None:
+    await add_node(store, "n1", slots=4, max_operations=1)
+    first, second = await submit(store), await submit(store)
+    out = await place(store)
+    assert [a[0] for a in out.assigned] == [first] and out.unplaced == {second: reasons.OPERATIONS_BUSY}
+    assert (await store.get_task(second))["reason"] == reasons.OPERATIONS_BUSY
+    _task, verdicts, _avoid = await Scheduler(store, DEFAULT_TIMING, server_id="x").explain(second)
+    assert [(v.node_id, v.failed) for v, _row in verdicts] == [("n1", reasons.OPERATIONS_BUSY)]
+    # once the first runs, its operation is free again: the second is placed
+    await to_running(store, first)
+    assert [a[0] for a in (await place(store)).assigned] == [second]
+
+
+async def test_the_reservation_refuses_more_operations_than_the_node_allows(store: Store) -> None:
+    """Two schedulers' placements on one node: the database's guard holds even if placement erred."""
+    await add_node(store, "n1", slots=4, max_operations=1)
+    await placed(store)
+    # a scheduler that believes the node has an operation free (a stale view) is refused by the row guard
+    sched = Scheduler(store, DEFAULT_TIMING, server_id="stale")
+    tid = await submit(store)
+    out = await sched.store.dispatch(
+        claim_limit=10, accept_seconds=15, lease_seconds=300, actor="stale",
+        decide=lambda tasks, nodes, horizon, ops: sched.decide(tasks, nodes, horizon, {}),
+    )  # fmt: skip
+    assert out.assigned == [] and out.lost_races == 1
+    assert (await store.get_task(tid))["state"] == "queued"

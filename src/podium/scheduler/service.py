@@ -29,6 +29,7 @@ from podium.scheduler.policy import Step, TaskFacts
 from podium.states import TaskState
 from podium.store import Store, Transition
 from podium.store.db import CONNECTION_ERRORS, DispatchOutcome, PlacementDecision
+from podium.store.reconcile import ReconcileStore
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -376,7 +377,8 @@ class Scheduler:
         req = requirements(
             task["spec"], task["cpu_millis"], task["memory_bytes"], task["disk_bytes"], task["gpus"], avoid, task["image_digest"]
         )
-        snaps = [node_snapshot(n) for n in nodes]
+        ops = await ReconcileStore(self.store).operations_in_flight()
+        snaps = [dataclasses.replace(node_snapshot(n), operations=ops.get(n["id"], 0)) for n in nodes]
         connected = {n.id for n in snaps}
         for nid, row in everyone.items():
             if nid not in connected:

@@ -43,3 +43,8 @@ class ReconcileStore:
         and a `runtime_changed` node event says so."""
         async with self.store._conn() as conn:
             await conn.execute(self.store.q["runtime_changed"], node_id, list(kinds), message, detail)
+
+    async def operations_in_flight(self) -> dict[str, int]:
+        """Per node, the provisioning operations it runs now (attempts assigned or provisioning)."""
+        async with self.store._conn() as conn:
+            return {r["node_id"]: r["n"] for r in await conn.fetch(self.store.q["operations_in_flight"])}
