@@ -54,6 +54,11 @@ class PreconditionFailed(Conflict):
     """The thing changed since the revision this request names; read it again and decide again."""
 
 
+class ProfileRevisionMismatch(Conflict):
+    """The seed's ErrProfileRevisionMismatch: a submission pinned to a revision of a named spec (a
+    profile) that is not its current one. Nothing was stored."""
+
+
 class InvalidRequest(PodiumError):
     """The request is not valid."""
 

@@ -244,7 +244,7 @@ async def hello(store: Store, node_id: str, slots: int, gpus: int, cpu: int = 20
         node_id=node_id, name=node_id, pool="default", arch="x86_64", labels={}, capabilities=[],
         backends=["process"], artifacts=[], protocol_min=1, protocol_max=1, gpu_indexes=list(range(gpus)),
         cpu_millis=cpu, memory_bytes=4 * GiB, disk_bytes=10 * GiB, gpus=gpus, slots=slots, gateway_id="model",
-        agent_version="model",
+        agent_version="model", max_operations=max(slots, 4),  # the model is about slots, not operations
     )  # fmt: skip
 
 

@@ -153,3 +153,70 @@ async def test_a_retry_records_its_place_in_the_budget(store: Store) -> None:
     await place(store)
     a = await attempt(store, tid)
     assert (a["attempt"], a["retry_count"], a["retry_limit"]) == (2, 1, 2)
+
+
+def hello_with(runtime: str, tokens: list[int]) -> Any:
+    from podium.proto.podium.v1 import agent_pb2 as pb
+
+    return pb.Hello(node_id="n1", tasks=[pb.RunningTask(fencing_token=t, phase="running") for t in tokens], materializations=[
+        pb.MaterializationSnapshot(backend_kind="process", architecture="x86_64", runtime_digest=runtime,
+                                   toolchain_digest="sha256:tools")])  # fmt: skip
+
+
+async def test_a_node_whose_runtime_changed_has_its_attempts_rechecked(store: Store) -> None:
+    from podium.gateway.snapshots import hello_facts, revalidate
+
+    facts = dict(name="n1", pool="default", arch="x86_64", labels={}, capabilities=[], backends=["process"], artifacts=[],
+                 protocol_min=1, protocol_max=1, gpu_indexes=[], cpu_millis=4000, memory_bytes=8 * 2**30,
+                 disk_bytes=10 * 2**30, gpus=0, slots=4, gateway_id="test", agent_version="test")  # fmt: skip
+    first = await store.instance_hello(node_id="n1", **facts, **hello_facts(hello_with("sha256:old", [])))
+    assert first.materializations_before == []
+    tid = await placed(store)
+    await to_running(store, tid)
+    a = await attempt(store, tid)
+    assert [m["runtime_digest"] for m in a["capability_snapshot"]["materializations"]] == ["sha256:old"]
+
+    # the same runtime again: nothing to recheck
+    same = hello_with("sha256:old", [a["fencing_token"]])
+    again = await store.instance_hello(node_id="n1", **facts, **hello_facts(same))
+    assert await revalidate(store, "n1", again.materializations_before, same) == []
+    # the node comes back on another runtime, still running the attempt
+    changed = hello_with("sha256:new", [a["fencing_token"]])
+    decided = await store.instance_hello(node_id="n1", **facts, **hello_facts(changed))
+    assert await revalidate(store, "n1", decided.materializations_before, changed) == [("process", "sha256:old", "sha256:new")]
+    events = [e for e in await store.node_events("n1") if e["kind"] == "runtime_changed"]
+    assert len(events) == 1 and events[0]["detail"]["rechecked"] == [a["fencing_token"]]
+    assert "sha256:old" in events[0]["message"] and "sha256:new" in events[0]["message"]
+    # due at once, without anyone making it so: the reconcile loop says what it found
+    assert await reconciler(store, "r").once() == 1
+    row = await attempt(store, tid)
+    assert row["last_reconcile_result"] == reasons.RECONCILED_RUNTIME_CHANGED
+    assert (await store.get_task(tid))["state"] == "running"
+
+
+async def test_a_node_prepares_no_more_than_its_operations_and_explain_says_so(store: Store) -> None:
+    await add_node(store, "n1", slots=4, max_operations=1)
+    first, second = await submit(store), await submit(store)
+    out = await place(store)
+    assert [a[0] for a in out.assigned] == [first] and out.unplaced == {second: reasons.OPERATIONS_BUSY}
+    assert (await store.get_task(second))["reason"] == reasons.OPERATIONS_BUSY
+    _task, verdicts, _avoid = await Scheduler(store, DEFAULT_TIMING, server_id="x").explain(second)
+    assert [(v.node_id, v.failed) for v, _row in verdicts] == [("n1", reasons.OPERATIONS_BUSY)]
+    # once the first runs, its operation is free again: the second is placed
+    await to_running(store, first)
+    assert [a[0] for a in (await place(store)).assigned] == [second]
+
+
+async def test_the_reservation_refuses_more_operations_than_the_node_allows(store: Store) -> None:
+    """Two schedulers' placements on one node: the database's guard holds even if placement erred."""
+    await add_node(store, "n1", slots=4, max_operations=1)
+    await placed(store)
+    # a scheduler that believes the node has an operation free (a stale view) is refused by the row guard
+    sched = Scheduler(store, DEFAULT_TIMING, server_id="stale")
+    tid = await submit(store)
+    out = await sched.store.dispatch(
+        claim_limit=10, accept_seconds=15, lease_seconds=300, actor="stale",
+        decide=lambda tasks, nodes, horizon, ops: sched.decide(tasks, nodes, horizon, {}),
+    )  # fmt: skip
+    assert out.assigned == [] and out.lost_races == 1
+    assert (await store.get_task(tid))["state"] == "queued"

@@ -5,6 +5,7 @@ The real app over a real Store on PostgreSQL 15, driven in-process through httpx
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator
 
@@ -93,3 +94,50 @@ async def test_label_change_with_a_stale_node_revision_is_refused(env: tuple[Sto
     assert f"revision {first.json()['revision']}" in stale.json()["error"]
     assert f"revision {read.json()['revision']}" in stale.json()["error"]
     assert (await client.get("/v1/nodes/n1")).json()["labels"] == {"zone": "b"}
+
+
+async def test_a_profile_revision_mismatch_names_both_revisions_and_the_fix(env: tuple[Store, httpx.AsyncClient]) -> None:
+    import pytest
+
+    from podium.errors import ProfileRevisionMismatch
+    from podium.spec import TaskSpec
+
+    store, client = env
+    await store.put_named_spec("nightly", TaskSpec(command=["echo", "v1"]), "t")
+    await store.put_named_spec("nightly", TaskSpec(command=["echo", "v2"]), "t")
+    with pytest.raises(ProfileRevisionMismatch) as e:
+        await store.submit_named("nightly", 1, idempotency_key=None, actor="t")
+    msg = str(e.value)
+    assert "revision 2" in msg and "revision 1" in msg and "`podium spec run nightly --revision 2`" in msg
+    r = await client.post("/v1/specs/nightly/submit", json={"revision": 1})
+    assert r.status_code == 409 and "profile revision mismatch" in r.json()["error"]
+    assert await store.list_tasks() == []  # nothing stored
+
+
+async def test_a_pinned_task_keeps_its_revisions_content_on_every_attempt(env: tuple[Store, httpx.AsyncClient]) -> None:
+    import asyncpg
+    import pytest
+
+    from podium.spec import TaskSpec
+
+    store, _client = env
+    await store.put_named_spec("job", TaskSpec(command=["echo", "v1"], max_attempts=2), "t")
+    row, _ = await store.submit_named("job", 1, idempotency_key=None, actor="t")
+    tid = row["id"]
+    await store.put_named_spec("job", TaskSpec(command=["echo", "v2"], max_attempts=2), "t")  # a new revision meanwhile
+    await add_node(store, "n1")
+    sent = []
+    for _attempt in range(2):
+        await place(store)
+        task = await store.get_task(tid)
+        (assign,) = [r for r in await store.take_outbox(["n1"]) if r["kind"] == "assign"]
+        sent.append(json.loads(assign["spec"])["command"])
+        # the node never accepts: revoked and requeued for the second attempt
+        await store.transition_task(tid, TaskState.ASSIGNED, TaskState.QUEUED, actor="t", end_attempt="revoked",
+                                    fencing_token=task["fencing_token"])  # fmt: skip
+    assert sent == [["echo", "v1"], ["echo", "v1"]]
+    assert ((await store.get_task(tid))["spec_name"], (await store.get_task(tid))["spec_revision"]) == ("job", 1)
+    # and the revision itself can never be changed under the task
+    async with store.pool.acquire() as c:
+        with pytest.raises(asyncpg.exceptions.RestrictViolationError, match="store a new revision"):
+            await c.execute("UPDATE named_specs SET spec = '{}' WHERE name = 'job' AND revision = 1")

@@ -34,7 +34,7 @@ async def add_node(store: Store, node_id: str, *, slots: int = 4, egress: tuple[
         node_id=node_id, name=node_id, pool="default", arch="x86_64", labels={}, capabilities=[],
         backends=["container", "process"], artifacts=[], protocol_min=1, protocol_max=1, gpu_indexes=[],
         cpu_millis=4000, memory_bytes=8 * 2**30, disk_bytes=10 * 2**30, gpus=0, slots=slots, gateway_id="test",
-        agent_version="test", egress_contexts=egress, enforces_limits=True,
+        agent_version="test", egress_contexts=egress, enforces_limits=True, max_operations=max(slots, 4),
     )  # fmt: skip
     assert row is not None
     return row

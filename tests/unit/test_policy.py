@@ -241,3 +241,15 @@ def test_reconcile_in_doubt_waits() -> None:
         assert (r.result, r.step) == (result, None)
     # an assignment not yet accepted is redelivered on reconnect, not lost for missing from a Hello
     assert policy.on_reconcile(rf(attempt_state="assigned", in_hello=False), T).step is None
+
+
+def test_runtime_changes_are_the_backends_kept_on_another_runtime() -> None:
+    def m(kind: str, runtime: str) -> dict[str, str]:
+        return {"backend_kind": kind, "runtime_digest": runtime}
+
+    before = [m("process", "sha256:a"), m("container", "sha256:c")]
+    assert policy.runtime_changes(before, before) == []
+    assert policy.runtime_changes(before, [m("process", "sha256:b"), m("container", "sha256:c")]) == [("process", "sha256:a", "sha256:b")]
+    # a backend that came or went is not a changed runtime; nor is a first Hello
+    assert policy.runtime_changes(before, [m("process", "sha256:a")]) == []
+    assert policy.runtime_changes([], before) == []

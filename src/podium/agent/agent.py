@@ -42,6 +42,7 @@ from podium.agent.backends.base import (
     RunSpec,
     StartFailed,
 )
+from podium.agent import materialize
 from podium.agent.backends.process import ProcessBackend
 from podium.agent.fence import FenceKeeper
 from podium.protocol import FINAL_KINDS, PROTOCOL_MAX, PROTOCOL_MIN, fence_after
@@ -289,7 +290,7 @@ class Agent:
         def offered(fps: dict[str, Fingerprint]) -> tuple[object, ...]:
             live = [fp for fp in fps.values() if fp.available]
             return (sorted(fp.kind for fp in live), sorted({e for fp in live for e in fp.egress}),
-                    any(fp.enforces_limits for fp in live))  # fmt: skip
+                    any(fp.enforces_limits for fp in live), materialize.runtimes(fps))  # fmt: skip
 
         return bool(before) and offered(before) != offered(after), self._artifacts(before) != self._artifacts(after)
 
@@ -390,6 +391,7 @@ class Agent:
             enforces_limits=any(fp.available and fp.enforces_limits for fp in self.fingerprints.values()),
             protocol_min=PROTOCOL_MIN, protocol_max=PROTOCOL_MAX, gpu_indexes=c.gpu_indexes, agent_version=__version__,
             instance_id=self.instance_id, max_operations=c.max_operations,
+            materializations=materialize.snapshots(self.fingerprints, c.arch),
             tasks=[pb.RunningTask(task_id=a.task_id, fencing_token=a.token, phase=a.phase)
                    for a in self.attempts.values()],
         ))  # fmt: skip

@@ -25,6 +25,7 @@ from podium.errors import (
     NotFound,
     Overloaded,
     PreconditionFailed,
+    ProfileRevisionMismatch,
     StoreUnavailable,
     Unauthorized,
 )
@@ -36,6 +37,7 @@ from podium.store import Store
 # Podium's errors and the HTTP status each one is; the message is the exception's own sentence.
 _STATUS: dict[type[Exception], int] = {
     InvalidRequest: 422, NotFound: 404, Conflict: 409, Unauthorized: 401, Forbidden: 403, PreconditionFailed: 412,
+    ProfileRevisionMismatch: 409,
 }
 
 

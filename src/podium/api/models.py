@@ -178,6 +178,9 @@ class NodeOut(BaseModel):
     instance_id: str | None = None  # the agent process that presents this node now
     # how many tasks it prepares (pulls, creates) at once: an attempt is one until it runs
     max_operations: int = 4
+    # per backend, what the node would materialize a task with (seed MaterializationSnapshot):
+    # backend_kind, architecture, runtime_digest, toolchain_digest, digest (of the artifacts held)
+    materializations: list[dict[str, str]] = []
 
 
 
@@ -353,7 +356,7 @@ def node_out(r: Any, releasing: Any = None) -> NodeOut:
         instance_id=r.get("instance_id"),
         drain_phase=r.get("drain_phase") or ("draining" if r["draining"] else "active"),
         drain_deadline=r.get("drain_deadline"), revision=r.get("revision", 1),
-        max_operations=r.get("max_operations", 4),
+        max_operations=r.get("max_operations", 4), materializations=list(r.get("materializations") or []),
     )  # fmt: skip
 
 

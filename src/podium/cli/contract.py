@@ -41,3 +41,25 @@ def print_attempt_record(out: Console, a: dict[str, Any]) -> None:
     if a.get("reconcile_owner"):
         _plain(out, f"  attempt {n}: being reconciled by {a['reconcile_owner']} (claim until "
                     f"{_time(a.get('reconcile_claim_expires_at'))})")  # fmt: skip
+
+
+def print_node_record(out: Console, n: dict[str, Any]) -> None:
+    """`podium nodes NODE`: the node's identity, health, capacity, operations and materializations."""
+    a, r = n["allocatable"], n["reserved"]
+    _plain(out, f"{n['id']} {n['name']}")
+    _plain(out, f"  health:      {n['health']}, {'connected' if n['connected'] else 'not connected'}, "
+                f"{n.get('drain_phase', 'active')}")  # fmt: skip
+    _plain(out, f"  pool/arch:   {n['pool']} / {n['arch']}; backends {','.join(n['backends'])}; "
+                f"egress {','.join(n['egress_contexts'])}")  # fmt: skip
+    _plain(out, f"  slots:       {r['slots']}/{a['slots']} in use")
+    _plain(out, f"  operations:  at most {n.get('max_operations', 4)} tasks prepared (pulled, created) at once")
+    labels = ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())) or "none"
+    _plain(out, f"  labels:      {labels}")
+    mats = n.get("materializations") or []
+    if not mats:
+        _plain(out, "  materializations: none reported")
+    for m in mats:
+        _plain(out, f"  materialization {m.get('backend_kind')} ({m.get('architecture')}):")
+        _plain(out, f"    runtime   {m.get('runtime_digest') or '-'}")
+        _plain(out, f"    toolchain {m.get('toolchain_digest') or '-'}")
+        _plain(out, f"    artifacts {m.get('digest') or '-'}")

@@ -10,18 +10,27 @@ import typer
 from rich.markup import escape
 
 from podium.cli import render
+from podium.cli.contract import print_node_record
 from podium.cli.base import CliError, JsonOpt, ServerOpt, app, connect, labels, out, parse
 from podium.units import format_cpu, format_size, parse_duration
 
 
 @app.command()
 def nodes(
+    node: Annotated[str | None, typer.Argument(help="one node (id, name, or the start of either): its whole record")] = None,
     limit: Annotated[int, typer.Option(min=1, help="show this many (any number: the CLI pages through them)")] = 1000,
     all_: Annotated[bool, typer.Option("--all", help="show every node")] = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """List nodes with their health and capacity."""
+    """List nodes with their health and capacity (or one node's whole record)."""
+    if node is not None:
+        d = connect(server).node(node).raw
+        if json_out:
+            render.print_json(d)
+        else:
+            print_node_record(out, d)
+        return
     listing = connect(server).nodes(None if all_ else limit)
     rows = [n.raw for n in listing]
     # The sandbox columns only when some node has something to say in them: a fleet of plain process

@@ -27,7 +27,7 @@ from podium.gateway.liveness import Heartbeats, LogFlusher
 from podium.gateway.outbox import Outbox
 from podium.gateway.reports import PERSIST_FOR, ReleaseProofs, ReportBatcher
 from podium.gateway.sessions import Reconciler, Session, Sessions, check_hello, egress_of
-from podium.gateway.snapshots import check_materializations, hello_facts
+from podium.gateway.snapshots import check_materializations, hello_facts, revalidate
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.protocol import fence_after, handover_after
@@ -150,6 +150,10 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         if row is None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this node was removed from the fleet")
             return
+        # a runtime that changed under the node's attempts: they are rechecked now. If the store is
+        # away, the reconcile loop still finds the change at its next regular check of each attempt.
+        with contextlib.suppress(StoreUnavailable):
+            await revalidate(self.store, hello.node_id, decided.materializations_before, hello)
         old = self.sessions.get(hello.node_id)
         if old is not None:
             if decided.superseded is not None and old.instance_id == decided.superseded:

@@ -7,10 +7,16 @@ A module of its own beside the stream handler, so the two change without treadin
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from podium.proto.podium.v1 import agent_pb2 as pb
+from podium.scheduler import policy
+from podium.store import Store
 from podium.store.db import DEFAULT_MAX_OPERATIONS
+from podium.store.reconcile import ReconcileStore
+
+log = logging.getLogger(__name__)
 
 MAX_MATERIALIZATIONS = 16  # snapshots one Hello may carry (one per backend: a handful)
 MAX_FIELD = 256  # characters in one snapshot field
@@ -49,3 +55,18 @@ def check_materializations(hello: pb.Hello) -> str | None:
     if hello.max_operations < 0:
         return "Hello's max_operations must be 0 (the server's default) or more"
     return None
+
+
+async def revalidate(store: Store, node_id: str, before: list[dict[str, str]], hello: pb.Hello) -> list[tuple[str, str, str]]:
+    """Revalidate a reconnecting node's materializations: a backend whose runtime digest changed is
+    not trusted with the assumptions its attempts were assigned under — they are rechecked now by the
+    reconcile loop — and a node event says what changed. Returns the changes."""
+    changes = policy.runtime_changes(before, [materialization(m) for m in hello.materializations])
+    if changes:
+        message = "; ".join(f"backend {k} runtime changed from {old} to {new}" for k, old, new in changes)
+        message += ": its attempts assigned under the old runtime are rechecked"
+        log.warning("node %s: %s", node_id, message)
+        await ReconcileStore(store).runtime_changed(
+            node_id, [k for k, _o, _n in changes], message, {"changes": [{"backend_kind": k, "from": o, "to": n} for k, o, n in changes]}
+        )
+    return changes

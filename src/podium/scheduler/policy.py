@@ -289,3 +289,12 @@ def on_reconcile(f: ReconcileFacts, timing: Timing) -> Reconciled:
     if f.runtime_changed:
         return Reconciled(reasons.RECONCILED_RUNTIME_CHANGED, None, timing.reconcile)
     return Reconciled(reasons.RECONCILED_CONSISTENT, None, timing.reconcile)
+
+
+def runtime_changes(before: list[dict[str, str]], after: list[dict[str, str]]) -> list[tuple[str, str, str]]:
+    """(backend kind, old runtime digest, new one) for every backend whose runtime a node's Hello says
+    changed since its last one. A backend new to the node (or gone from it) is no change of runtime:
+    nothing was assigned under one that it had before."""
+    old = {m.get("backend_kind", ""): m.get("runtime_digest", "") for m in before}
+    new = {m.get("backend_kind", ""): m.get("runtime_digest", "") for m in after}
+    return [(k, old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] and new[k] and old[k] != new[k]]

@@ -41,11 +41,10 @@ def runtime_changed(row: Any) -> bool:
     """Whether the node's runtime digest for the attempt's backend differs from the one recorded in
     its capability snapshot at assignment (an attempt assigned before snapshots existed, or to a
     node that reports none, has nothing to compare)."""
-    snap = row["capability_snapshot"] or {}
-    then = {m.get("backend_kind"): m.get("runtime_digest") for m in snap.get("materializations") or ()}
-    now = {m.get("backend_kind"): m.get("runtime_digest") for m in row["materializations"] or ()}
     kind = row["backend_kind"]
-    return bool(then.get(kind)) and bool(now.get(kind)) and then[kind] != now[kind]
+    then = [m for m in (row["capability_snapshot"] or {}).get("materializations") or () if m.get("backend_kind") == kind]
+    now = [m for m in row["materializations"] or () if m.get("backend_kind") == kind]
+    return bool(policy.runtime_changes(then, now))
 
 
 def reconcile_facts(row: Any) -> policy.ReconcileFacts:

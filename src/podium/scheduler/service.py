@@ -24,6 +24,7 @@ from podium.scheduler.watchdog import DEFAULT_RETENTION, Watchdog
 from podium.states import TaskState
 from podium.store import Store, Transition
 from podium.store.db import DispatchOutcome
+from podium.store.reconcile import ReconcileStore
 from podium.timing import Timing
 
 Row = Mapping[str, Any]
@@ -71,7 +72,8 @@ class Scheduler:
         req = requirements(
             task["spec"], task["cpu_millis"], task["memory_bytes"], task["disk_bytes"], task["gpus"], avoid, task["image_digest"]
         )
-        snaps = [node_snapshot(n) for n in nodes]
+        ops = await ReconcileStore(self.store).operations_in_flight()
+        snaps = [dataclasses.replace(node_snapshot(n), operations=ops.get(n["id"], 0)) for n in nodes]
         connected = {n.id for n in snaps}
         for nid, row in everyone.items():
             if nid not in connected:

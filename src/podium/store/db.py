@@ -24,7 +24,9 @@ from typing import Any, ParamSpec, Protocol, TypeAlias, TypeVar
 import asyncpg
 
 from podium import metrics, reasons
-from podium.errors import Ambiguous, Conflict, Contention, NotFound, PreconditionFailed, StoreUnavailable
+from podium.errors import (
+    Ambiguous, Conflict, Contention, NotFound, PreconditionFailed, ProfileRevisionMismatch, StoreUnavailable,
+)
 from podium.spec import TaskSpec
 from podium.states import AttemptState, TaskState, is_allowed
 from podium.store.migrate import migrate
@@ -457,9 +459,10 @@ class Store:
         client never runs a spec it has not seen."""
         latest = await self.named_spec(name)
         if revision is not None and revision != latest["revision"]:
-            raise Conflict(
-                f"spec {name!r} is at revision {latest['revision']}, but this submission is pinned to revision "
-                f"{revision}; read the current spec (`podium spec show {name}`) and submit again"
+            raise ProfileRevisionMismatch(
+                f"profile revision mismatch: spec {name!r} is at revision {latest['revision']}, but this submission is "
+                f"pinned to revision {revision}; read the current spec (`podium spec show {name}`) and, if it is what "
+                f"you want, run it pinned to it (`podium spec run {name} --revision {latest['revision']}`)"
             )
         spec = TaskSpec.model_validate(latest["spec"])
         return await self.submit(

@@ -36,3 +36,15 @@ class ReconcileStore:
                 [r[2] for r in results],
             )  # fmt: skip
         return {r["fencing_token"] for r in rows}
+
+    @_retried
+    async def runtime_changed(self, node_id: str, kinds: Sequence[str], message: str, detail: dict[str, object]) -> None:
+        """The node's runtime changed for these backends: its live attempts on them are checked now,
+        and a `runtime_changed` node event says so."""
+        async with self.store._conn() as conn:
+            await conn.execute(self.store.q["runtime_changed"], node_id, list(kinds), message, detail)
+
+    async def operations_in_flight(self) -> dict[str, int]:
+        """Per node, the provisioning operations it runs now (attempts assigned or provisioning)."""
+        async with self.store._conn() as conn:
+            return {r["node_id"]: r["n"] for r in await conn.fetch(self.store.q["operations_in_flight"])}

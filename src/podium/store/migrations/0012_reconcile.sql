@@ -55,3 +55,15 @@ $$;
 
 CREATE TRIGGER nodes_operations_changed BEFORE UPDATE ON nodes
     FOR EACH ROW EXECUTE FUNCTION podium_node_operations_changed();
+
+-- A named spec's revision (a profile revision) never changes once stored: a task pinned to it keeps
+-- exactly that content on every attempt (tasks.spec is its copy). A change is a new revision.
+CREATE FUNCTION podium_named_spec_immutable() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'revision % of spec % cannot be changed: store a new revision instead', OLD.revision, OLD.name
+        USING ERRCODE = 'restrict_violation';
+END
+$$;
+
+CREATE TRIGGER named_specs_immutable BEFORE UPDATE ON named_specs
+    FOR EACH ROW EXECUTE FUNCTION podium_named_spec_immutable();

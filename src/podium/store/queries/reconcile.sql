@@ -54,3 +54,16 @@ RETURNING old.materializations AS before
 SELECT node_id, count(*)::int AS n FROM attempts
 WHERE finished_at IS NULL AND state IN ('assigned', 'provisioning')
 GROUP BY node_id
+
+-- runtime_changed --
+-- A node's runtime changed for some backends ($2): its live attempts on them are due for a check
+-- now (the reconcile loop), and a node event says so, naming the attempts.
+WITH due AS (
+    UPDATE attempts SET next_reconcile_at = now()
+    WHERE node_id = $1 AND finished_at IS NULL AND backend_kind = ANY($2::text[])
+    RETURNING fencing_token
+)
+INSERT INTO node_events (node_id, kind, message, detail)
+VALUES ($1, 'runtime_changed', $3,
+        $4::jsonb || jsonb_build_object('rechecked', (SELECT COALESCE(jsonb_agg(fencing_token ORDER BY fencing_token), '[]'::jsonb) FROM due)))
+RETURNING id
