@@ -95,7 +95,7 @@ class AgentConfig:
     backends: list[str] = field(default_factory=lambda: ["process"])  # "process", "container"
     container_host: str | None = None  # the engine's URL; None: DOCKER_HOST, else the default socket
     # how many provisioning operations (pulls, creates) this node runs at once (seed Capacity.Operations)
-    max_operations: int = 4
+    max_operations: int | None = None  # None: as many as it has slots (no limit beyond them)
 
 
 @dataclass(eq=False)
@@ -390,7 +390,7 @@ class Agent:
             egress_contexts=sorted({e for fp in self.fingerprints.values() if fp.available for e in fp.egress}),
             enforces_limits=any(fp.available and fp.enforces_limits for fp in self.fingerprints.values()),
             protocol_min=PROTOCOL_MIN, protocol_max=PROTOCOL_MAX, gpu_indexes=c.gpu_indexes, agent_version=__version__,
-            instance_id=self.instance_id, max_operations=c.max_operations,
+            instance_id=self.instance_id, max_operations=c.max_operations or c.slots,
             materializations=materialize.snapshots(self.fingerprints, c.arch),
             tasks=[pb.RunningTask(task_id=a.task_id, fencing_token=a.token, phase=a.phase)
                    for a in self.attempts.values()],
