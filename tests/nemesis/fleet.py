@@ -33,6 +33,8 @@ from typing import Any
 import asyncpg
 import httpx
 
+from tests.nemesis import disk
+from tests.nemesis.disk import SlowDisk
 from tests.nemesis.net import HostNet, Net, _alive
 from tests.nemesis.pg import OwnPostgres
 from tests.nemesis.pki import FleetPki
@@ -202,6 +204,7 @@ class Fleet:
         self.db = f"{DB_PREFIX}{os.getpid()}"
         self.pg_kind = pg
         self.own_pg: OwnPostgres | None = None
+        self.slow_disk: SlowDisk | None = None  # under own_pg, where the kernel can throttle it
         self.admin_url = PG_ADMIN
         self.db_url = _with_db(PG_ADMIN, self.db)
         self.truth = root / "truth"  # written by the tasks themselves; no server is told of it
@@ -322,6 +325,14 @@ class Fleet:
             # two replicas hold up to ~70 connections, and killed replicas leave theirs for a while
             asyncio.run(self._admin("ALTER SYSTEM SET max_connections = 300"))
             self.own_pg.restart()
+            disk.cleanup_stale(self.log)
+            assert self.own_pg.emb is not None and self.own_pg.emb._server is not None
+            pgdata = Path(self.own_pg.emb._server.pgdata)
+            why = disk.unavailable(pgdata)
+            if why is None:
+                self.slow_disk = SlowDisk(pgdata, self.log)
+            else:
+                self.log(f"fleet: no disk-slow faults: {why}")
         asyncio.run(self._create_db())
         self.net = Net(self.log).up()
         pki = FleetPki(self.root / "pki")
@@ -381,6 +392,8 @@ class Fleet:
         import asyncio
 
         _pids_file().unlink(missing_ok=True)
+        if self.slow_disk is not None:
+            self.slow_disk.remove()
         if self.own_pg is not None:
             self.own_pg.stop()
             return
