@@ -33,6 +33,7 @@ from typing import Any
 import asyncpg
 import httpx
 
+from podium.agent.fence import start_time
 from tests.nemesis import disk
 from tests.nemesis.disk import SlowDisk
 from tests.nemesis.net import HostNet, Net, _alive
@@ -100,13 +101,17 @@ def cleanup_stale_processes(log: Any = print) -> None:
         owner = f.name[len(PIDS_PREFIX):]
         if not owner.isdigit() or _alive(int(owner)):
             continue
-        for line in f.read_text().split():
+        for line in f.read_text().splitlines():
             try:
-                with open(f"/proc/{int(line)}/cmdline", "rb") as c:
+                pid, _, started = line.partition(" ")
+                # the pid may have been reused since (another run's agent, say): only the very process
+                if started and start_time(int(pid)) != int(started):
+                    continue
+                with open(f"/proc/{int(pid)}/cmdline", "rb") as c:
                     if b"podium" not in c.read():
                         continue  # the pid was reused by something else
-                os.kill(int(line), signal.SIGKILL)
-                log(f"fleet: killed {line}, left running by run {owner}")
+                os.kill(int(pid), signal.SIGKILL)
+                log(f"fleet: killed {pid}, left running by run {owner}")
             except (OSError, ValueError):
                 pass
         f.unlink(missing_ok=True)
@@ -126,7 +131,7 @@ class Proc:
             f.write(f"\n==== start {time.time():.3f}: {shlex.join(self.argv)}\n".encode())
             self.p = subprocess.Popen(self.argv, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         with open(_pids_file(), "a") as pf:
-            pf.write(f"{self.p.pid}\n")
+            pf.write(f"{self.p.pid} {start_time(self.p.pid) or ''}\n")
         self.stopped = False
 
     @property
