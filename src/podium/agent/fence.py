@@ -262,7 +262,7 @@ class FenceKeeper:
         """Why the keeper killed the attempt with this fencing token, or None if it did not. Read
         once the attempt's process is known to be dead: the keeper writes its word before it kills,
         so a death it caused is always found here."""
-        while True:
+        while self._kills_fd >= 0:  # closed: the agent is shutting down, nothing more to learn
             chunk = os.pread(self._kills_fd, 65536, self._kills_read)
             if not chunk:
                 break
