@@ -623,9 +623,10 @@ class Agent:
                     # This node's lease ran out after the Assign came (or the agent is going): the
                     # server may have given the task to another node, and the fence keeper would kill
                     # the process at once anyway. Never started; another node may run it.
-                    self._event(a, K.FAILED_RETRYABLE, message=a.stopped_by or (
-                        f"not started on this node: no heartbeat acknowledged for {self.fence_after:g}s "
-                        "after it was assigned"))  # fmt: skip
+                    why = a.stopped_by or (f"not started on this node: no heartbeat acknowledged for "
+                                           f"{self.fence_after:g}s after it was assigned")  # fmt: skip
+                    log.warning("task %s (token %d): %s", a.task_id, a.token, why)
+                    self._event(a, K.FAILED_RETRYABLE, message=why)
                     return
                 handle = await backend.start(run_spec, env, workdir)
             except StartFailed as e:
@@ -670,6 +671,7 @@ class Agent:
                        else f"stopped on this node by its fence keeper: {fenced}")  # fmt: skip
             if why is not None and not a.cancel_requested:
                 # another node may run it: this one stopped it for its own reasons, not the task's
+                log.warning("task %s (token %d): %s (exit %s)", a.task_id, a.token, why, result.exit_code)
                 self._event(a, K.FAILED_RETRYABLE, message=why)
             elif result.exit_code is None:
                 self._event(a, K.FAILED_RETRYABLE, message=result.message, failure_class=FAILURE_INTERNAL)
