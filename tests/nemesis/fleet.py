@@ -34,6 +34,9 @@ from typing import Any
 import asyncpg
 import httpx
 
+from podium.agent.fence import start_time
+from tests.nemesis import disk
+from tests.nemesis.disk import SlowDisk
 from tests.nemesis.net import HostNet, Net, _alive
 from tests.nemesis.pg import OwnPostgres
 from tests.nemesis.pki import FleetPki
@@ -99,13 +102,17 @@ def cleanup_stale_processes(log: Any = print) -> None:
         owner = f.name[len(PIDS_PREFIX):]
         if not owner.isdigit() or _alive(int(owner)):
             continue
-        for line in f.read_text().split():
+        for line in f.read_text().splitlines():
             try:
-                with open(f"/proc/{int(line)}/cmdline", "rb") as c:
+                pid, _, started = line.partition(" ")
+                # the pid may have been reused since (another run's agent, say): only the very process
+                if started and start_time(int(pid)) != int(started):
+                    continue
+                with open(f"/proc/{int(pid)}/cmdline", "rb") as c:
                     if b"podium" not in c.read():
                         continue  # the pid was reused by something else
-                os.kill(int(line), signal.SIGKILL)
-                log(f"fleet: killed {line}, left running by run {owner}")
+                os.kill(int(pid), signal.SIGKILL)
+                log(f"fleet: killed {pid}, left running by run {owner}")
             except (OSError, ValueError):
                 pass
         f.unlink(missing_ok=True)
@@ -125,7 +132,7 @@ class Proc:
             f.write(f"\n==== start {time.time():.3f}: {shlex.join(self.argv)}\n".encode())
             self.p = subprocess.Popen(self.argv, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         with open(_pids_file(), "a") as pf:
-            pf.write(f"{self.p.pid}\n")
+            pf.write(f"{self.p.pid} {start_time(self.p.pid) or ''}\n")
         self.stopped = False
 
     @property
@@ -201,6 +208,7 @@ class Fleet:
         self.db = f"{DB_PREFIX}{os.getpid()}"
         self.pg_kind = pg
         self.own_pg: OwnPostgres | None = None
+        self.slow_disk: SlowDisk | None = None  # under own_pg, where the kernel can throttle it
         self.admin_url = PG_ADMIN
         self.db_url = _with_db(PG_ADMIN, self.db)
         self.truth = root / "truth"  # written by the tasks themselves; no server is told of it
@@ -321,6 +329,14 @@ class Fleet:
             # two replicas hold up to ~70 connections, and killed replicas leave theirs for a while
             asyncio.run(self._admin("ALTER SYSTEM SET max_connections = 300"))
             self.own_pg.restart()
+            disk.cleanup_stale(self.log)
+            assert self.own_pg.emb is not None and self.own_pg.emb._server is not None
+            pgdata = Path(self.own_pg.emb._server.pgdata)
+            why = disk.unavailable(pgdata)
+            if why is None:
+                self.slow_disk = SlowDisk(pgdata, self.log)
+            else:
+                self.log(f"fleet: no disk-slow faults: {why}")
         asyncio.run(self._create_db())
         self.net = Net(self.log).up()
         pki = FleetPki(self.root / "pki")
@@ -380,6 +396,8 @@ class Fleet:
         import asyncio
 
         _pids_file().unlink(missing_ok=True)
+        if self.slow_disk is not None:
+            self.slow_disk.remove()
         if self.own_pg is not None:
             self.own_pg.stop()
             return

@@ -21,7 +21,7 @@ from typing import Any
 from tests.nemesis.fleet import Fleet, faketime_lib
 
 KINDS = ("link-down", "drop-in", "drop-out", "delay", "loss", "replica-db-cut", "agent-stop", "agent-kill",
-         "replica-kill", "pg-terminate", "pg-restart", "replica-clock-skew")  # fmt: skip
+         "replica-kill", "pg-terminate", "pg-restart", "replica-clock-skew", "disk-slow")  # fmt: skip
 REPLICA_KINDS = {"replica-db-cut", "replica-kill", "replica-clock-skew"}
 
 
@@ -41,7 +41,8 @@ class Nemesis:
         self.rng = random.Random(seed)
         self.interval, self.duration, self.long = interval, duration, long
         self.kinds = tuple(k for k in kinds if (k != "replica-clock-skew" or faketime_lib())
-                           and (k != "pg-restart" or fleet.own_pg is not None))  # fmt: skip
+                           and (k != "pg-restart" or fleet.own_pg is not None)
+                           and (k != "disk-slow" or fleet.slow_disk is not None))  # fmt: skip
         self.log = log
         self.faults: Counter[str] = Counter()
         self.active: list[Active] = []
@@ -84,13 +85,15 @@ class Nemesis:
             h, r = self.fleet.hosts[host], self.fleet.replicas[rep]
             if any(a.target in (h.name, r.name) for a in self.active):
                 continue
+            if kind == "pg-restart" and any(a.kind == "disk-slow" for a in self.active):
+                continue  # a shutdown checkpoint on a throttled disk can outlast pg_ctl's wait
             try:
                 heal = self._apply(kind, h, r, x)
             except Exception as e:  # a fault that cannot be applied is reported, never fatal
                 self.errors.append(f"{kind}: {e}")
                 continue
             self.faults[kind] += 1
-            target = r.name if kind in REPLICA_KINDS else ("postgres" if kind.startswith("pg-") else h.name)
+            target = r.name if kind in REPLICA_KINDS else ("postgres" if kind.startswith("pg-") or kind == "disk-slow" else h.name)
             self._say(f"{kind} {target} for {dur:.1f}s")
             if heal is not None:
                 self.active.append(Active(kind, target, time.monotonic() + dur, heal))
@@ -131,6 +134,13 @@ class Nemesis:
             assert f.own_pg is not None
             f.own_pg.restart()
             return None
+        if kind == "disk-slow":
+            # 10–100 I/Os a second (a commit's WAL flush takes about three), 1–4 MiB/s
+            assert f.slow_disk is not None
+            iops, bps = int(10 + x * 90), int((1 + x * 3) * 2**20)
+            n = f.slow_disk.slow(iops, bps)
+            self._say(f"postgres's disk throttled to {iops} I/Os and {bps >> 20} MiB a second ({n} processes)")
+            return f.slow_disk.heal
         if kind == "replica-clock-skew":
             skew = ("+" if x < 0.5 else "-") + f"{int(30 + x * 270)}s"
             r.proc.stop()
@@ -167,6 +177,8 @@ class Nemesis:
                 h.proc.signal(signal.SIGCONT)
             if not h.proc.alive():
                 h.proc.start()
+        if f.slow_disk is not None:
+            f.slow_disk.heal()
         for r in f.replicas:
             f.hub.heal(r.db_link)
             if r.skew is not None:

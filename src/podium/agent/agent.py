@@ -44,7 +44,7 @@ from podium.agent.backends.base import (
 )
 from podium.agent import materialize
 from podium.agent.backends.process import ProcessBackend
-from podium.agent.fence import FenceKeeper
+from podium.agent.fence import LEASE_EXPIRED, FenceKeeper
 from podium.protocol import FINAL_KINDS, PROTOCOL_MAX, PROTOCOL_MIN, fence_after
 from podium.security.masking import Masker
 from podium.security.secretbox import write_private
@@ -67,6 +67,7 @@ PROOF_RESEND_FOR = 600.0  # seconds a release proof is sent again on each new st
 MAX_PROOFS = 10_000  # release proofs kept for sending again, the oldest go first
 # the classes a node may report for an end; a stop's class (cancelled, timeout) is the server's to name
 _REPORTED_CLASSES = frozenset({FAILURE_EXIT, FAILURE_OOM, FAILURE_PROVISIONING, FAILURE_INTERNAL})
+SIGKILL_EXIT = 128 + signal.SIGKILL  # a process (or container) that died of SIGKILL, as a shell reports it
 
 
 @dataclass
@@ -120,6 +121,10 @@ class Attempt:
     unacked: deque[pb.LogChunk] = field(default_factory=deque)
     unacked_bytes: int = 0
     masker: Masker = field(default_factory=lambda: Masker([]))
+    # when the Assign arrived (monotonic): a lapse of the lease after it may have given it away
+    assigned_at: float = field(default_factory=time.monotonic)
+    # set when this agent itself stops the attempt (superseded, shut down): why, in the node's words
+    stopped_by: str | None = None
 
 
 class NodeRemoved(Exception):
@@ -486,10 +491,11 @@ class Agent:
         gives them away only after this instance's fence deadline, which must then be moot), and leave."""
         log.error("%s (instance %s); this instance %s stops its attempts and exits", note.reason, note.instance_id, self.instance_id)
         for a in self.attempts.values():
-            if a.handle is not None and a.handle.kind == "process":
-                with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                    os.killpg(int(a.handle.ref), signal.SIGKILL)
-        # the keeper kills every process group and container it fences (containers through the engine)
+            if a.final is None:
+                a.stopped_by = f"stopped on this node: this agent instance was superseded by instance {note.instance_id or 'unknown'}"
+        # Every process group still fenced is killed from here at once (a group whose attempt has
+        # ended is no longer fenced: its number may be another process's by now), and the keeper
+        # kills the same groups and every container (through the engine).
         self.fence.fence_now("superseded")
         raise Superseded(note.reason or "superseded", note.instance_id or "unknown")
 
@@ -619,6 +625,15 @@ class Agent:
                 if a.cancel_requested:
                     self._event(a, K.EXITED, exit_code=130, message="cancelled before it started")
                     return
+                if a.stopped_by is not None or self.fence.lapsed_since(a.assigned_at):
+                    # This node's lease ran out after the Assign came (or the agent is going): the
+                    # server may have given the task to another node, and the fence keeper would kill
+                    # the process at once anyway. Never started; another node may run it.
+                    why = a.stopped_by or (f"not started on this node: no heartbeat acknowledged for "
+                                           f"{self.fence_after:g}s after it was assigned")  # fmt: skip
+                    log.warning("task %s (token %d): %s", a.task_id, a.token, why)
+                    self._event(a, K.FAILED_RETRYABLE, message=why)
+                    return
                 handle = await backend.start(run_spec, env, workdir)
             except StartFailed as e:
                 if e.exit_code is not None:
@@ -631,32 +646,39 @@ class Agent:
                 return
             a.handle = handle
             a.phase = "running"
-            started = time.monotonic()
-            if kind == "container":
-                self.fence.add_container(handle.ref, a.task_id, a.token)
-                self._journal(ev="start", task=a.task_id, token=a.token, container=handle.ref)
-            else:
-                self.fence.add(int(handle.ref), a.task_id, a.token)
-                self._journal(ev="start", task=a.task_id, token=a.token, pid=int(handle.ref))
-            self._event(a, K.RUNNING, backend_ref=handle.ref)
-            if a.cancel_requested:
-                asyncio.get_running_loop().create_task(backend.stop(handle, self.kill_grace, FAILURE_CANCELLED))
-            result = await backend.wait(handle, lambda stream, data: self._output(a, stream, data))
-            for stream in ("stdout", "stderr"):
-                await self._emit(a, stream, a.masker.flush(stream))
-            ended = time.monotonic()
-            if kind == "container":
-                self.fence.remove_container(handle.ref)
-            else:
-                self.fence.remove(int(handle.ref))
+            try:
+                if kind == "container":
+                    self.fence.add_container(handle.ref, a.task_id, a.token)
+                    self._journal(ev="start", task=a.task_id, token=a.token, container=handle.ref)
+                else:
+                    self.fence.add(int(handle.ref), a.task_id, a.token)
+                    self._journal(ev="start", task=a.task_id, token=a.token, pid=int(handle.ref))
+                self._event(a, K.RUNNING, backend_ref=handle.ref)
+                if a.cancel_requested:
+                    asyncio.get_running_loop().create_task(backend.stop(handle, self.kill_grace, FAILURE_CANCELLED))
+                result = await backend.wait(handle, lambda stream, data: self._output(a, stream, data))
+                for stream in ("stdout", "stderr"):
+                    await self._emit(a, stream, a.masker.flush(stream))
+                # The process is dead: if the fence keeper killed it, its word is already written.
+                fenced = self.fence.killed(a.token)
+            finally:
+                # however the wait ended: a group left registered could be killed at the next lapse
+                # under a number another process has by then
+                if kind == "container":
+                    self.fence.remove_container(handle.ref)
+                else:
+                    self.fence.remove(int(handle.ref))
             self._journal(ev="stop", task=a.task_id, token=a.token, code=result.exit_code)
-            # A SIGKILL while the lease had run out is the fence keeper's, even when the acknowledgement
-            # of a late heartbeat renewed the lease before this exit was seen: not the task's own exit.
-            fenced = self.fence.expired(ended) or (result.exit_code == 128 + 9 and self.fence.lapsed(started, ended))
-            if fenced and not a.cancel_requested:
-                # it was stopped here because this node lost its lease; another node may have it now
-                msg = f"stopped on this node: no heartbeat acknowledged for {self.fence_after:g}s"
-                self._event(a, K.FAILED_RETRYABLE, message=msg)
+            # Who ended it, as known rather than guessed: this agent (superseded, shutting down), or the
+            # fence keeper whose SIGKILL it died of. Neither is the task's own exit.
+            why = a.stopped_by
+            if why is None and fenced is not None and result.exit_code == SIGKILL_EXIT:
+                why = (f"stopped on this node: no heartbeat acknowledged for {self.fence_after:g}s" if fenced == LEASE_EXPIRED
+                       else f"stopped on this node by its fence keeper: {fenced}")  # fmt: skip
+            if why is not None and not a.cancel_requested:
+                # another node may run it: this one stopped it for its own reasons, not the task's
+                log.warning("task %s (token %d): %s (exit %s)", a.task_id, a.token, why, result.exit_code)
+                self._event(a, K.FAILED_RETRYABLE, message=why)
             elif result.exit_code is None:
                 self._event(a, K.FAILED_RETRYABLE, message=result.message, failure_class=FAILURE_INTERNAL)
             else:
@@ -668,6 +690,10 @@ class Agent:
             raise
         except Exception as e:  # an agent-side failure: another node may do better
             log.exception("task %s failed on this node", a.task_id)
+            if backend is not None and handle is not None:
+                # no longer fenced: it must not run on behind the report that it ended
+                with contextlib.suppress(Exception):
+                    await backend.stop(handle, 0, FAILURE_INTERNAL)
             self._event(a, K.FAILED_RETRYABLE, message=str(e))
         finally:
             with contextlib.suppress(OSError):
@@ -717,6 +743,10 @@ class Agent:
     async def shutdown(self) -> None:
         """Stop every task (SIGTERM, then SIGKILL after the grace), let each runner report its end and
         remove its container, then stop the fence keeper and the backends."""
+        for a in self.attempts.values():
+            if a.final is None and a.stopped_by is None:
+                a.stopped_by = "stopped on this node: its agent was shut down"
+                a.go.set()  # one still waiting for Accepted ends now, never started
         await asyncio.gather(
             *(a.backend.stop(a.handle, self.kill_grace, FAILURE_CANCELLED) for a in self.attempts.values()
               if a.backend is not None and a.handle is not None),

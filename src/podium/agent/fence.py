@@ -19,30 +19,72 @@ removed.
 
 Protocol on stdin, one command a line (times are CLOCK_MONOTONIC, shared by every process):
     lease <deadline>              the attempts may run until <deadline>
-    add <pgid> <task> <token>     a process group to fence
+    add <pgid> <task> <token> <start>
+                                  a process group to fence; <start> is its leader's start time
+                                  (/proc/<pid>/stat, clock ticks since boot; 0 when unknown)
     del <pgid>                    that group ended by itself
     kill <why>                    kill every group now (the agent was superseded by another process)
     cadd <id> <task> <token>      a container (on the engine given at start) to fence
     cdel <id>                     that container ended by itself
+
+What it killed, and why, the keeper writes to the kills file (`--kills FD`, a file the agent made and
+reads), one line per attempt *before* it sends the kill:
+    <token> <why>
+So when the agent sees an attempt die of SIGKILL, the keeper's line for it is already there to read:
+the agent knows who killed it rather than guessing from its clock whether the lease had run out
+(a guess that was wrong when the lease had already run out before the attempt started, or when a
+late acknowledgement renewed it before the agent saw the exit).
+
+A process group id is a pid, and pids are reused (32768 of them on many machines). A group whose
+leader has been reaped while the agent's `del` is on its way could be another process's by the
+time the lease runs out; the keeper kills a group only while its leader is still the process that
+was registered (same start time), or gone with its number not yet reused (a number stays taken while
+any member of its group lives).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections import deque
 from pathlib import Path
 
 CHECK_EVERY = 0.02  # seconds; how late past the deadline a fence can fire
 ENGINE_TIMEOUT = 5.0  # seconds one kill through the engine's API may take
+LEASE_EXPIRED = "lease expired"  # the keeper's word for a kill at the deadline
 
 
-def _kill(pgid: int) -> None:
+def start_time(pid: int) -> int | None:
+    """When the process `pid` started (clock ticks since boot), None if there is no such process: with
+    the pid, it names one process for good, even once the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: count from the last ")"
+    fields = stat.rpartition(b")")[2].split()
+    try:
+        return int(fields[19])  # field 22, starttime
+    except (IndexError, ValueError):
+        return None
+
+
+def same_group(pgid: int, started: int) -> bool:
+    """Whether `pgid` may still be the group registered with its leader's start time `started` (0:
+    not known): False when the number now names another process (the group registered is gone).
+    A leader already reaped is fine: the number stays taken while any member of its group lives."""
+    now = start_time(pgid)
+    return not (started and now is not None and now != started)
+
+
+def kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -81,13 +123,21 @@ class _Engine:
             print(f"fence: kill {container_id[:12]}: {e}", file=sys.stderr)
 
 
-def main(journal: str | None, engine_url: str | None = None) -> None:
+def main(journal: str | None, engine_url: str | None = None, kills_fd: int | None = None) -> None:
     deadline = float("inf")
-    groups: dict[int, tuple[str, str]] = {}
+    groups: dict[int, tuple[str, str, int]] = {}
     containers: dict[str, tuple[str, str]] = {}
     engine = _Engine(engine_url)
     buf = b""
     fd = sys.stdin.fileno()
+
+    def tell(token: str, why: str) -> None:
+        # before the kill: whoever sees the attempt die can already read who killed it
+        if kills_fd is not None:
+            try:
+                os.write(kills_fd, f"{int(token)} {why}\n".encode())
+            except OSError as e:  # the kill matters more than the word about it
+                print(f"fence: cannot write the kills file: {e}", file=sys.stderr)
 
     def record(task: str, token: str, why: str) -> None:
         if journal:
@@ -95,11 +145,15 @@ def main(journal: str | None, engine_url: str | None = None) -> None:
                 f.write(json.dumps({"ev": "fence", "task": task, "token": int(token), "t": time.time(), "why": why}) + "\n")
 
     def fence(why: str) -> None:
-        for pgid, (task, token) in list(groups.items()):
-            _kill(pgid)
+        for pgid, (task, token, started) in list(groups.items()):
+            if not same_group(pgid, started):
+                continue  # ended by itself, and its number is already another process's
+            tell(token, why)
+            kill_group(pgid)
             record(task, token, why)
         groups.clear()
         for cid, (task, token) in list(containers.items()):
+            tell(token, why)
             engine.kill(cid)
             record(task, token, why)
         containers.clear()
@@ -120,7 +174,7 @@ def main(journal: str | None, engine_url: str | None = None) -> None:
                 if parts[0] == "lease":
                     deadline = float(parts[1])
                 elif parts[0] == "add":
-                    groups[int(parts[1])] = (parts[2], parts[3])
+                    groups[int(parts[1])] = (parts[2], parts[3], int(parts[4]) if len(parts) > 4 else 0)
                 elif parts[0] == "del":
                     groups.pop(int(parts[1]), None)
                 elif parts[0] == "cadd":
@@ -131,7 +185,7 @@ def main(journal: str | None, engine_url: str | None = None) -> None:
                 elif parts[0] == "kill":
                     fence(" ".join(parts[1:]) or "told to")
         if (groups or containers) and time.monotonic() > deadline:
-            fence("lease expired")
+            fence(LEASE_EXPIRED)
 
 
 class FenceKeeper:
@@ -142,22 +196,28 @@ class FenceKeeper:
         self.engine = engine  # the container engine's URL, "env" for DOCKER_HOST; None: no containers
         self.proc: subprocess.Popen[bytes] | None = None
         self.deadline = 0.0
-        self.groups: dict[int, tuple[str, int]] = {}
-        # Deadlines that had passed when the next renewal came: the keeper may have fenced then. An
-        # attempt's exit the agent notices only after such a renewal is still the fence's doing.
-        self.lapses: deque[float] = deque(maxlen=32)
+        # the last moment a renewal ended a lapse (monotonic): the deadline had passed before it came
+        self.lapse_ended = float("-inf")
+        self.groups: dict[int, tuple[str, int, int]] = {}  # pgid → (task, token, leader's start time)
         self.containers: dict[str, tuple[str, int]] = {}
+        # What the keeper killed: a file it appends to and this process reads (in memory, never on a
+        # disk; shared by every keeper this handle starts, so a restarted keeper's word is kept too).
+        self._kills_fd = _kills_file()
+        self._kills_read = 0
+        self._killed: dict[int, str] = {}  # token → why, for attempts still fenced
 
     def _ensure(self) -> subprocess.Popen[bytes]:
         if self.proc is None or self.proc.poll() is not None:
-            args = [sys.executable, "-m", "podium.agent.fence", "--journal", str(self.journal or "")]
+            self._drop()
+            args = [sys.executable, "-m", "podium.agent.fence", "--journal", str(self.journal or ""),
+                    "--kills", str(self._kills_fd)]  # fmt: skip
             if self.engine:
                 args += ["--engine", self.engine]
-            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, start_new_session=True)
+            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, start_new_session=True, pass_fds=(self._kills_fd,))
             # a new keeper knows nothing: tell it everything
             self._write(f"lease {self.deadline}\n", ensure=False)
-            for pgid, (task, token) in self.groups.items():
-                self._write(f"add {pgid} {task} {token}\n", ensure=False)
+            for pgid, (task, token, started) in self.groups.items():
+                self._write(f"add {pgid} {task} {token} {started}\n", ensure=False)
             for cid, (task, token) in self.containers.items():
                 self._write(f"cadd {cid} {task} {token}\n", ensure=False)
         return self.proc
@@ -169,35 +229,70 @@ class FenceKeeper:
             proc.stdin.write(line.encode())
             proc.stdin.flush()
         except (BrokenPipeError, OSError):
-            self.proc = None
+            self._drop()
             if ensure:
                 self._ensure()
 
+    def _drop(self) -> None:
+        """Forget a keeper that has died (its pipe with it)."""
+        if self.proc is not None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        self.proc = None
+
     def renew(self, deadline: float) -> None:
         if deadline > self.deadline:
-            if self.groups and time.monotonic() > self.deadline:
-                self.lapses.append(self.deadline)
+            now = time.monotonic()
+            if now > self.deadline:
+                self.lapse_ended = now
             self.deadline = deadline
             self._write(f"lease {deadline}\n")
 
     def expired(self, at: float | None = None) -> bool:
         return (time.monotonic() if at is None else at) > self.deadline
 
-    def lapsed(self, start: float, end: float) -> bool:
-        """Whether the lease ran out at some moment between `start` and `end` (monotonic times),
-        even if a renewal has come since."""
-        return self.expired(end) or any(start <= t <= end for t in self.lapses)
+    def lapsed_since(self, since: float) -> bool:
+        """Whether the lease has run out at some moment after `since` (monotonic), renewed since or
+        not. The server may give a node's attempts away once it has not heard from it for
+        OfflineAfter, which is after the lease runs out: an attempt assigned before a lapse may be
+        another node's by now, and must not be started here."""
+        return self.expired() or self.lapse_ended > since
+
+    def killed(self, token: int) -> str | None:
+        """Why the keeper killed the attempt with this fencing token, or None if it did not. Read
+        once the attempt's process is known to be dead: the keeper writes its word before it kills,
+        so a death it caused is always found here."""
+        while self._kills_fd >= 0:  # closed: the agent is shutting down, nothing more to learn
+            chunk = os.pread(self._kills_fd, 65536, self._kills_read)
+            if not chunk:
+                break
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            if not complete:
+                break  # half a line: the keeper is writing it; the rest comes on the next read
+            self._kills_read += len(complete)
+            fenced = {t for _, t, _ in self.groups.values()} | {t for _, t in self.containers.values()} | {token}
+            for line in complete.decode(errors="replace").splitlines():
+                tok, _, why = line.partition(" ")
+                # kept only for an attempt still fenced: a late word about an attempt already
+                # decided is of no use to anyone, and would only pile up
+                if tok.isdigit() and int(tok) in fenced:
+                    self._killed[int(tok)] = why or "killed"
+        return self._killed.pop(token, None)
 
     def add(self, pgid: int, task: str, token: int) -> None:
-        self.groups[pgid] = (task, token)
-        self._write(f"add {pgid} {task} {token}\n")
+        self.groups[pgid] = (task, token, start_time(pgid) or 0)
+        self._write(f"add {pgid} {task} {token} {self.groups[pgid][2]}\n")
 
     def remove(self, pgid: int) -> None:
         if self.groups.pop(pgid, None) is not None:
             self._write(f"del {pgid}\n")
 
     def fence_now(self, why: str) -> None:
-        """Kill every registered group and container at once, whatever the lease says."""
+        """Kill every registered group and container at once, whatever the lease says: the groups
+        from here (no wait for the keeper to read its pipe), and everything through the keeper."""
+        for pgid, (_task, _token, started) in self.groups.items():
+            if same_group(pgid, started):
+                kill_group(pgid)
         if self.groups or self.containers:
             self._write(f"kill {why}\n")
             self.groups.clear()
@@ -224,9 +319,25 @@ class FenceKeeper:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+            self.proc = None
+        if self._kills_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._kills_fd)
+            self._kills_fd = -1  # closed once: the number may be another file's afterwards
+
+
+def _kills_file() -> int:
+    """A file descriptor for the keeper's word on its kills: an anonymous file in memory (Linux), else
+    an unlinked temporary file. Not inherited by anything but the keepers it is passed to."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("podium-fence-kills")  # close-on-exec: only pass_fds hands it on
+    fd, path = tempfile.mkstemp(prefix="podium-fence-kills-")
+    os.unlink(path)
+    return fd
 
 
 if __name__ == "__main__":
     _args = sys.argv[1:]
     _opts = dict(zip(_args[::2], _args[1::2], strict=False))
-    main(_opts.get("--journal") or None, _opts.get("--engine") or None)
+    main(_opts.get("--journal") or None, _opts.get("--engine") or None,
+         int(_opts["--kills"]) if _opts.get("--kills") else None)

@@ -1,0 +1,256 @@
+"""Who killed an attempt, known rather than guessed (issue 14: the 30-minute campaign, seed 20261201,
+found a task stored `failed` with exit 137 whose command never wrote its first line).
+
+Every way a SIGKILL the task did not ask for can reach an attempt, each with a real agent (the
+`Agent` class, in this process: the server's messages are fed to it as the protocol's own messages,
+its reports read from what it would send), a real fence keeper process and real process groups:
+
+- the lease ran out after the Assign and before the start: the attempt is never started;
+- the lease ran out between the agent's last look and the start (an agent stalled right there): the
+  keeper kills at once, a late acknowledgement renews the lease before the agent sees the exit, and
+  the keeper's own word says it was the fence;
+- the agent is superseded, or shut down: the end is the agent's, not the task's;
+- a process group number reused by another process once its attempt ended: neither the keeper nor
+  a superseded agent kills it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from podium.agent.agent import Agent, AgentConfig, Attempt, Superseded
+from podium.agent.fence import FenceKeeper, start_time
+from podium.proto.podium.v1 import agent_pb2 as pb
+from podium.timing import DEFAULT_TIMING, FAST_TIMER_DIVISOR
+from tests.harness import wait_for
+
+K = pb.TaskEvent.Kind
+TIMING = DEFAULT_TIMING.scaled(FAST_TIMER_DIVISOR)
+
+
+def _dead(pid: int) -> bool:
+    """Dead: gone, or a zombie not yet reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+async def _until(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition", every: float = 0.01) -> None:
+    """Let the agent's loop run until `cond` holds (looking again after each turn of the loop with
+    `every=0`, so the test holds the loop right after the step that made it true)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(every)
+
+
+def _agent(tmp_path: Path) -> Agent:
+    cfg = AgentConfig(servers=["127.0.0.1:1"], state_dir=tmp_path / "state", name="n1", journal=tmp_path / "journal")
+    return Agent(cfg, "node-1", TIMING)
+
+
+def _assign(agent: Agent, token: int, command: list[str]) -> Attempt:
+    spec = {"command": command}
+    agent._on_message(pb.ServerMessage(assign=pb.Assign(task_id=f"task-{token}", fencing_token=token, attempt=1,
+                                                        spec_json=json.dumps(spec))))  # fmt: skip
+    return agent.attempts[token]
+
+
+def _accept(agent: Agent, a: Attempt) -> None:
+    agent._on_message(pb.ServerMessage(accepted=pb.Accepted(task_id=a.task_id, fencing_token=a.token)))
+
+
+def _late_ack(agent: Agent) -> None:
+    """The acknowledgement of a heartbeat sent just now: the lease is renewed from here."""
+    seq = max(agent._beats_sent, default=0) + 1
+    agent._beats_sent[seq] = time.monotonic()
+    agent._on_message(pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(seq=seq)))
+
+
+async def _end(agent: Agent, a: Attempt) -> pb.TaskEvent:
+    await _until(lambda: a.final is not None, what="the attempt's end")
+    assert a.final is not None
+    return a.final
+
+
+@pytest.fixture
+async def agent(tmp_path: Path) -> Any:
+    ag = _agent(tmp_path)
+    await ag._fingerprint()
+    yield ag
+    for a in ag.attempts.values():
+        if a.runner is not None and not a.runner.done():
+            a.runner.cancel()
+    await asyncio.gather(*(a.runner for a in ag.attempts.values() if a.runner is not None), return_exceptions=True)
+    ag.fence.close()
+
+
+async def test_an_attempt_is_never_started_once_the_lease_ran_out_after_its_assign(agent: Agent) -> None:
+    # The campaign's anomaly, as the code before this fix lets it happen: the lease is live when the
+    # Assign comes, runs out before the server's Accepted is read (a stopped agent), the agent
+    # starts the command anyway, the keeper kills it at once, and the late acknowledgement of a
+    # heartbeat renews the lease before the agent sees the exit: "exited 137", a task failed for good.
+    agent.fence.renew(time.monotonic() + 0.3)
+    a = _assign(agent, 5, ["sleep", "30"])
+    await _until(lambda: a.phase == "provisioning" and any(
+        m.HasField("event") and m.event.kind == K.PROVISIONING for m in agent._buffer), what="provisioning")  # fmt: skip
+    await _until(lambda: agent.fence.expired(), what="the lease to run out")
+    _accept(agent, a)
+    await _until(lambda: a.handle is not None or a.final is not None, what="a start or an end", every=0)
+    if a.handle is not None:  # started (the old code): hold the loop as a stopped agent would
+        pid = int(a.handle.ref)
+        wait_for(lambda: _dead(pid), 30, what="the fence keeper to kill the attempt")
+        _late_ack(agent)
+    end = await _end(agent, a)
+    assert end.kind == K.FAILED_RETRYABLE, end
+    assert a.handle is None, "started with a lease that had run out"
+    assert "not started on this node" in end.message
+
+
+async def test_a_kill_at_the_start_is_known_to_be_the_fences_after_a_late_renewal(agent: Agent) -> None:
+    # The lease is live when the agent decides to start; the start itself stalls past the deadline
+    # (an agent stopped or starved right there), so the keeper kills the group the moment it is
+    # registered, and a late acknowledgement comes before the exit is seen. The lapse fell before
+    # the attempt's start: no clock comparison can tell it was the fence, the keeper's word does.
+    backend = agent.backends["process"]
+    real_start = backend.start
+
+    async def stalled_start(*args: Any) -> Any:  # the real start, after a stall past the deadline
+        await _until(lambda: agent.fence.expired(), what="the lease to run out")
+        return await real_start(*args)
+
+    backend.start = stalled_start  # type: ignore[method-assign]
+    agent.fence.renew(time.monotonic() + 0.5)
+    a = _assign(agent, 6, ["sleep", "30"])
+    _accept(agent, a)
+    await _until(lambda: a.handle is not None, what="the start", every=0)
+    pid = int(a.handle.ref)  # type: ignore[union-attr]
+    wait_for(lambda: _dead(pid), 30, what="the fence keeper to kill the attempt")
+    _late_ack(agent)
+    assert not agent.fence.expired()  # what the agent sees now: a live lease
+    end = await _end(agent, a)
+    assert end.kind == K.FAILED_RETRYABLE, end
+    assert "no heartbeat acknowledged" in end.message
+
+
+async def test_a_task_that_exits_by_itself_is_reported_as_itself(agent: Agent, tmp_path: Path) -> None:
+    # the other side: the keeper's word is needed for a fenced end, an exit of its own is its own
+    agent.fence.renew(time.monotonic() + 60)
+    a = _assign(agent, 7, ["sh", "-c", "exit 137"])  # dies "of SIGKILL" by its own doing
+    _accept(agent, a)
+    end = await _end(agent, a)
+    assert (end.kind, end.exit_code) == (K.EXITED, 137)
+
+
+async def test_a_superseded_agent_reports_its_kills_as_its_own_and_spares_reused_numbers(agent: Agent) -> None:
+    agent.fence.renew(time.monotonic() + 60)
+    done = _assign(agent, 8, ["true"])
+    _accept(agent, done)
+    assert (await _end(agent, done)).kind == K.EXITED  # ended, its end not yet acknowledged
+    # its process group number now names another process (pids are reused); simulated by pointing
+    # the ended attempt's handle at a group of our own
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert done.handle is not None
+        done.handle.ref = str(other.pid)
+        running = _assign(agent, 9, ["sleep", "30"])
+        _accept(agent, running)
+        await _until(lambda: running.handle is not None, what="the start")
+        with pytest.raises(Superseded):
+            agent._on_message(pb.ServerMessage(superseded=pb.Superseded(reason="superseded", instance_id="other/1/x")))
+        end = await _end(agent, running)
+        # The agent's own kills are sent before `_superseded` returns, and the keeper was never told
+        # of this group: by the time the running attempt's end is seen, a kill of it would have landed.
+        assert not _dead(other.pid), "a superseded agent killed a process group that was no longer its own"
+        assert end.kind == K.FAILED_RETRYABLE and "superseded" in end.message, end
+    finally:
+        other.kill()
+        other.wait()
+
+
+async def test_an_attempt_stopped_by_the_agents_shutdown_is_not_the_tasks_exit(agent: Agent) -> None:
+    agent.fence.renew(time.monotonic() + 60)
+    a = _assign(agent, 10, ["sleep", "30"])
+    _accept(agent, a)
+    await _until(lambda: a.handle is not None, what="the start")
+    waiting = _assign(agent, 11, ["sleep", "30"])  # never accepted: ends without starting
+    await agent.shutdown()
+    end = await _end(agent, a)
+    assert end.kind == K.FAILED_RETRYABLE and "shut down" in end.message, end
+    assert (await _end(agent, waiting)).kind == K.FAILED_RETRYABLE and waiting.handle is None
+
+
+def test_the_keeper_says_what_it_killed_and_why() -> None:
+    keeper = FenceKeeper(None)
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    survivor = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        keeper.renew(time.monotonic() + 0.3)
+        keeper.add(victim.pid, "task", 7)
+        keeper.add(survivor.pid, "task2", 8)
+        keeper.remove(survivor.pid)  # ended by itself, as far as the agent knows
+        wait_for(lambda: victim.poll() is not None, 30, what="the fence keeper to kill the attempt")
+        assert victim.returncode == -signal.SIGKILL
+        keeper.renew(time.monotonic() + 30)  # the late acknowledgement
+        assert not keeper.expired()
+        assert keeper.killed(7) == "lease expired"
+        assert keeper.killed(7) is None  # said once
+        assert keeper.killed(8) is None and survivor.poll() is None
+    finally:
+        for p in (victim, survivor):
+            p.kill()
+            p.wait()
+        keeper.close()
+
+
+def test_the_keeper_never_kills_a_group_number_another_process_has_taken() -> None:
+    # A group registered, ended and reaped while the agent's `del` was on its way; its number is now
+    # another process's. Simulated by registering a live group with a start time that is not its own.
+    keeper = FenceKeeper(None)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    mine = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        started = start_time(other.pid)
+        assert started
+        keeper.renew(time.monotonic() + 0.3)
+        keeper._write(f"add {other.pid} old-task 3 {started - 1}\n")
+        keeper.add(mine.pid, "task", 4)
+        wait_for(lambda: mine.poll() is not None, 30, what="the fence keeper to kill at the deadline")
+        assert other.poll() is None, "the keeper killed a group whose number had been reused"
+        assert keeper.killed(4) == "lease expired"
+    finally:
+        for p in (other, mine):
+            p.kill()
+            p.wait()
+        keeper.close()
+
+
+def test_a_restarted_keeper_still_reports_its_kills() -> None:
+    keeper = FenceKeeper(None)
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        keeper.renew(time.monotonic() + 60)
+        first = keeper._ensure()
+        first.kill()  # the keeper dies; the next command starts another, told everything
+        first.wait()
+        keeper.add(proc.pid, "task", 12)
+        assert keeper.proc is not None and keeper.proc.pid != first.pid
+        keeper.fence_now("superseded")
+        wait_for(lambda: proc.poll() is not None, 30, what="the kill")
+        wait_for(lambda: keeper.killed(12) is not None or None, 30, what="the new keeper's word")
+    finally:
+        proc.kill()
+        proc.wait()
+        keeper.close()
