@@ -107,13 +107,16 @@ def test_agent_paused_past_offline_is_fenced_and_its_late_events_rejected(cluste
 def test_node_that_never_accepts_is_revoked_and_work_runs_elsewhere(cluster: Cluster) -> None:
     cluster.server()
     cluster.agent("mute", extra_env={"PODIUM_TEST_AGENT_DROP_ASSIGNS": "1"})
-    tid = cluster.api.submit(command=["echo", "ok"])["id"]
+    # Attempts enough for the mute node to spend while the good agent starts, however slowly this
+    # machine starts a process: each one costs the mute node only an accept deadline.
+    tid = cluster.api.submit(command=["echo", "ok"], max_attempts=100)["id"]
     t = wait_for(lambda: (x := cluster.api.task(tid))["attempts"] >= 1 and x, 30)
     cluster.agent("good")
-    t = cluster.api.wait_state(tid, ENDED, 60)
+    t = cluster.api.wait_state(tid, ENDED, 180)
     assert t["state"] == "succeeded"
     revoked = [x for x in t["attempt_list"] if x["state"] == "revoked"]
     assert revoked and all(x["reason"] == reasons.NOT_ACCEPTED for x in revoked)
+    assert {x["node_id"] for x in revoked} == {cluster.agents[0].node_id()}
     assert t["attempt_list"][-1]["node_id"] == cluster.agents[1].node_id()
 
 
