@@ -253,7 +253,9 @@ class Agent:
             delay = backoff * (0.5 + random.random())
             log.info("reconnecting in %.1fs", delay)
             await asyncio.sleep(delay)
-            backoff = min(BACKOFF_MAX, backoff * 2)
+            # never longer than a heartbeat: a node whose server comes back must be heard from
+            # again well inside its offline window, or its work is given away while it could report
+            backoff = min(BACKOFF_MAX, self.heartbeat_seconds, backoff * 2)
 
     async def _session_until_rehello(self, server: str) -> None:
         """One session, ended early when the backends on offer changed: the server learns a node's
