@@ -179,7 +179,8 @@ class PodiumServer:
         api.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # we own the signals
 
         loops: dict[str, Callable[[], Awaitable[None]]] = {
-            **scheduler.tasks(), **resolver.tasks(), **reconciler.tasks(), **gateway.tasks(), "api": api.serve, "server.lag": self._watch_loop_lag,
+            **scheduler.tasks(), **resolver.tasks(), **reconciler.tasks(), **gateway.tasks(),
+            "api": api.serve, "server.lag": self._watch_loop_lag,
         }  # fmt: skip
         tasks: set[asyncio.Task[Any]] = {asyncio.create_task(_awaited(fn), name=name) for name, fn in loops.items()}
         stopper: asyncio.Task[Any] = asyncio.create_task(self._stop.wait(), name="stop")

@@ -20,6 +20,7 @@ that is not the run's own PostgreSQL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -68,10 +69,8 @@ def _own_group() -> Path:
 
 def _move(pids: list[int], group: Path) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError):  # gone meanwhile (a backend that ended)
             (group / "cgroup.procs").write_text(f"{pid}\n")
-        except (ProcessLookupError, OSError):
-            pass  # gone meanwhile (a backend that ended)
 
 
 def _procs(group: Path) -> list[int]:
@@ -83,10 +82,8 @@ def _procs(group: Path) -> list[int]:
 
 def _remove(group: Path, to: Path) -> None:
     _move(_procs(group), to)
-    try:
+    with contextlib.suppress(OSError):
         group.rmdir()
-    except OSError:
-        pass
 
 
 def cleanup_stale(log: Any = print) -> None:
@@ -144,10 +141,8 @@ class SlowDisk:
         if not self.group.is_dir():
             return
         for name in _LIMITS:
-            try:
+            with contextlib.suppress(OSError):
                 (self.group / f"blkio.throttle.{name}").write_text(f"{self.dev} 0\n")
-            except OSError:
-                pass
 
     def remove(self) -> None:
         self.heal()

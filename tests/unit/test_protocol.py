@@ -13,7 +13,7 @@ def test_every_kind_named_is_a_kind_of_the_proto() -> None:
     for kind in (protocol.PROVISIONING, protocol.RUNNING, *protocol.FINAL_KINDS):
         assert kind in names
     # the reports an agent keeps until acknowledged are exactly the ends, never progress
-    assert protocol.FINAL_KINDS == {"EXITED", "FAILED_RETRYABLE", "NOT_RUNNING"}
+    assert {"EXITED", "FAILED_RETRYABLE", "NOT_RUNNING"} == protocol.FINAL_KINDS
 
 
 def test_the_fence_deadline_is_two_heartbeats_before_offline() -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 
 from podium import __version__
+from podium.agent import materialize
 from podium.agent.backends.base import (
     EGRESS_OPEN,
     FAILURE_CANCELLED,
@@ -42,14 +43,13 @@ from podium.agent.backends.base import (
     RunSpec,
     StartFailed,
 )
-from podium.agent import materialize
 from podium.agent.backends.process import ProcessBackend
 from podium.agent.fence import LEASE_EXPIRED, FenceKeeper
+from podium.proto.podium.v1 import agent_pb2 as pb
+from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.protocol import FINAL_KINDS, PROTOCOL_MAX, PROTOCOL_MIN, fence_after
 from podium.security.masking import Masker
 from podium.security.secretbox import write_private
-from podium.proto.podium.v1 import agent_pb2 as pb
-from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class Agent:
                     raise NodeRemoved(e.details() or e.code().name) from None
                 else:
                     log.warning("stream to %s ended: %s %s", server, e.code().name, e.details())
-            except (OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, OSError) as e:
                 log.warning("stream to %s failed: %s", server, e)
             finally:
                 self._outq = None
@@ -631,10 +631,10 @@ class Agent:
                     # This node's lease ran out after the Assign came (or the agent is going): the
                     # server may have given the task to another node, and the fence keeper would kill
                     # the process at once anyway. Never started; another node may run it.
-                    why = a.stopped_by or (f"not started on this node: no heartbeat acknowledged for "
-                                           f"{self.fence_after:g}s after it was assigned")  # fmt: skip
-                    log.warning("task %s (token %d): %s", a.task_id, a.token, why)
-                    self._event(a, K.FAILED_RETRYABLE, message=why)
+                    refused = a.stopped_by or (f"not started on this node: no heartbeat acknowledged for "
+                                               f"{self.fence_after:g}s after it was assigned")  # fmt: skip
+                    log.warning("task %s (token %d): %s", a.task_id, a.token, refused)
+                    self._event(a, K.FAILED_RETRYABLE, message=refused)
                     return
                 handle = await backend.start(run_spec, env, workdir)
             except StartFailed as e:

@@ -85,10 +85,8 @@ def same_group(pgid: int, started: int) -> bool:
 
 
 def kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class _Engine:
@@ -311,10 +309,8 @@ class FenceKeeper:
             self.groups.clear()
             self.containers.clear()
             self._write("lease inf\n", ensure=False)
-            try:
+            with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-            except OSError:
-                pass
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:

@@ -81,10 +81,8 @@ class ProcessRun:
         self._stopping = True
         pgid = self.proc.pid
         _signal_group(pgid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.proc.wait(), timeout=kill_grace)
-        except TimeoutError:
-            pass
         # the leader may be gone while children in its group live on: kill the group regardless
         _signal_group(pgid, signal.SIGKILL)
 

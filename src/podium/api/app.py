@@ -119,7 +119,7 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
     app.add_exception_handler(Contention, _contention)
     app.add_exception_handler(Overloaded, _overloaded)
     app.add_exception_handler(StarletteHTTPException, _http)
-    app.add_middleware(RequestGuard)  # type: ignore[arg-type]
+    app.add_middleware(RequestGuard)
 
     for router in ROUTERS:
         app.include_router(router)

@@ -39,19 +39,19 @@ Admin = Annotated[Principal, _needs(Role.ADMIN)]
 
 
 def _store(request: Request) -> Store:
-    return request.app.state.store  # type: ignore[no-any-return]
+    return request.app.state.store
 
 
 def _scheduler(request: Request) -> Scheduler:
-    return request.app.state.scheduler  # type: ignore[no-any-return]
+    return request.app.state.scheduler
 
 
 def _security(request: Request) -> Security:
-    return request.app.state.security  # type: ignore[no-any-return]
+    return request.app.state.security
 
 
 def _admission(request: Request) -> Pressure:
-    return request.app.state.admission  # type: ignore[no-any-return]
+    return request.app.state.admission
 
 
 StoreDep = Annotated[Store, Depends(_store)]

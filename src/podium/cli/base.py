@@ -65,8 +65,11 @@ OVERLOAD_PATIENCE = 120.0  # seconds the CLI keeps re-sending a request an overl
 def connect(server: str | None) -> Client:
     """The client an operator command talks through. An overloaded server refuses with 429 and
     stores nothing: wait as it asks and send again, for up to OVERLOAD_PATIENCE, telling the user once."""
-    return Client(server, overload_patience=OVERLOAD_PATIENCE,
-                  on_overload=lambda: sys.stderr.write("the server is overloaded; waiting to submit again...\n"))  # fmt: skip
+    return Client(server, overload_patience=OVERLOAD_PATIENCE, on_overload=_say_overloaded)
+
+
+def _say_overloaded() -> None:
+    sys.stderr.write("the server is overloaded; waiting to submit again...\n")
 
 
 def default_data_dir() -> Path:

@@ -10,8 +10,8 @@ import typer
 from rich.markup import escape
 
 from podium.cli import render
-from podium.cli.contract import print_node_record
 from podium.cli.base import CliError, JsonOpt, ServerOpt, app, connect, labels, out, parse
+from podium.cli.contract import print_node_record
 from podium.units import format_cpu, format_size, parse_duration
 
 

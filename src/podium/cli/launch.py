@@ -102,7 +102,8 @@ def agent(
     memory: Annotated[str | None, typer.Option(help="memory to offer (4Gi, 512Mi); default all")] = None,
     slots: Annotated[int, typer.Option(help="how many tasks may run at once", min=1, max=10000)] = 8,
     max_operations: Annotated[
-        int | None, typer.Option(help="how many tasks may be prepared (pulled, created) at once; default: as many as --slots", min=1, max=1024)
+        int | None,
+        typer.Option(help="how many tasks may be prepared (pulled, created) at once; default: as many as --slots", min=1, max=1024),
     ] = None,
     pool: Annotated[str, typer.Option(help="the node's pool")] = "default",
     capability: Annotated[list[str], typer.Option("--capability", help="a capability this node offers; repeatable")] = [],  # noqa: B006

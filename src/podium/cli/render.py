@@ -35,7 +35,7 @@ def print_json(data: Any) -> None:
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], title: str | None = None, no_wrap: Sequence[str] = ()) -> SafeTable:
-    t = SafeTable(box=None, **({"title": title, "title_justify": "left"} if title else {}))
+    t = SafeTable(box=None, title=title, title_justify="left")
     for col in columns:
         t.add_column(col, no_wrap=col in no_wrap)
     for cells in rows:

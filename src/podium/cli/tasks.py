@@ -11,7 +11,6 @@ from rich.markup import escape
 from rich.text import Text
 
 from podium.cli import render
-from podium.cli.contract import print_attempt_record
 from podium.cli.base import (
     EXIT_CANCELLED,
     EXIT_NO_RUNNER,
@@ -29,6 +28,7 @@ from podium.cli.base import (
     read_spec,
     validate,
 )  # fmt: skip
+from podium.cli.contract import print_attempt_record
 from podium.client import Client, LogChunk, TaskEnd
 from podium.units import format_cpu, format_size, parse_cpu, parse_duration, parse_size
 

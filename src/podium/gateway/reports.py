@@ -159,12 +159,11 @@ class ReportBatcher:
             self._events_ready.set()
 
     async def _apply_batch(self, batch: list[tuple[Session, Pending]]) -> None:
-        if any(p.final for _s, p in batch):
-            # an attempt's output arrived before its end on the same stream: store it before the end
-            # becomes visible, so whoever follows the logs of an ended task has all of them (and the
-            # node, told its end is recorded, forgets no output that is not)
-            if not await self.flush_logs():
-                raise StoreUnavailable("the output sent before these ends is not stored yet")
+        # an attempt's output arrived before its end on the same stream: store it before the end
+        # becomes visible, so whoever follows the logs of an ended task has all of them (and the
+        # node, told its end is recorded, forgets no output that is not)
+        if any(p.final for _s, p in batch) and not await self.flush_logs():
+            raise StoreUnavailable("the output sent before these ends is not stored yet")
         rows = await self.store.task_facts_many([p.task_id for _s, p in batch])
         changes: list[Change] = []
         planned: list[tuple[Session, Pending]] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -227,7 +228,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 elif kind == "released":
                     self.proofs.add(s, msg.released)
                 elif kind == "inventory":
-                    await self._persist(s, lambda: self._inventory(s, list(msg.inventory.artifacts)))
+                    await self._persist(s, functools.partial(self._inventory, s, list(msg.inventory.artifacts)))
                 elif kind == "hello":
                     log.warning("node %s sent a second Hello; ignored", s.node_id)
         except StoreUnavailable as e:

@@ -3,8 +3,9 @@
 Nothing here reads a clock, a database or a socket. Each function returns a `Step` — the transition
 to attempt, with its reason and what happens to the attempt — or None when the happening changes
 nothing. A step that ends an attempt also says what class of end it was (`podium.failures`), so the
-class is written in the same compare-and-set as the end. The service applies a Step through `Store.transition_task` with the `from` it read, so two
-deciders racing on one task give one accepted transition and one rejected no-op.
+class is written in the same compare-and-set as the end. `scheduler.apply.Applier` applies a Step
+with the `from` it read, so two deciders racing on one task give one accepted transition and one
+rejected no-op.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def _exited(exit_code: int | None, cls: FailureClass | None, detail: str | None)
         return Step(TaskState.FAILED, reasons.PROVISIONING_FAILED, end_attempt=AttemptState.FAILED, exit_code=exit_code,
                     failure_class=cls, detail=detail)  # fmt: skip
     if cls == failures.INTERNAL:
-        return Step(TaskState.FAILED, reasons.NODE_ERROR, end_attempt=AttemptState.FAILED, exit_code=exit_code, failure_class=cls, detail=detail)
+        return Step(
+            TaskState.FAILED, reasons.NODE_ERROR, end_attempt=AttemptState.FAILED, exit_code=exit_code, failure_class=cls, detail=detail
+        )
     if exit_code == 0:
         return Step(TaskState.SUCCEEDED, end_attempt=AttemptState.EXITED, exit_code=0, detail=detail)
     return Step(TaskState.FAILED, reasons.EXITED_NONZERO, end_attempt=AttemptState.EXITED, exit_code=exit_code,

@@ -34,7 +34,11 @@ from typing import Any, Protocol
 
 from podium import failures, metrics
 from podium.errors import (
-    ImageNotFound, RegistryCredentialsRefused, RegistryError, RegistryUnreachable, StoreUnavailable,
+    ImageNotFound,
+    RegistryCredentialsRefused,
+    RegistryError,
+    RegistryUnreachable,
+    StoreUnavailable,
 )  # fmt: skip
 from podium.registry import is_loopback
 from podium.scheduler import policy

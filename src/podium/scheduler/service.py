@@ -19,10 +19,8 @@ from podium.placement import NodeSnapshot, NodeVerdict, Resources, explain
 from podium.scheduler import policy
 from podium.scheduler.apply import Applier, facts
 from podium.scheduler.dispatch import Dispatcher, node_snapshot, requirements
-from podium.scheduler.policy import Step
 from podium.scheduler.watchdog import DEFAULT_RETENTION, Watchdog
-from podium.states import TaskState
-from podium.store import Store, Transition
+from podium.store import Store
 from podium.store.db import DispatchOutcome
 from podium.store.reconcile import ReconcileStore
 from podium.timing import Timing

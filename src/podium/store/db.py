@@ -18,14 +18,20 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, ParamSpec, Protocol, TypeAlias, TypeVar
 
 import asyncpg
 
 from podium import metrics, reasons
 from podium.errors import (
-    Ambiguous, Conflict, Contention, NotFound, PreconditionFailed, ProfileRevisionMismatch, StoreUnavailable,
+    Ambiguous,
+    Conflict,
+    Contention,
+    NotFound,
+    PreconditionFailed,
+    ProfileRevisionMismatch,
+    StoreUnavailable,
 )
 from podium.spec import TaskSpec
 from podium.states import AttemptState, TaskState, is_allowed
@@ -36,7 +42,7 @@ from podium.store.rows import OutboxRow, TaskFactsRow
 log = logging.getLogger(__name__)
 
 # Before the first task in the newest-first order: the first page's keyset cursor.
-_TASKS_START = (datetime.max.replace(tzinfo=timezone.utc), uuid.UUID(int=(1 << 128) - 1))
+_TASKS_START = (datetime.max.replace(tzinfo=UTC), uuid.UUID(int=(1 << 128) - 1))
 # How many candidates an ambiguous prefix names.
 CANDIDATES = 10
 
@@ -822,7 +828,8 @@ class Store:
             if not old or old == instance_id:
                 return NodeHello(row, materializations_before=before)
             assert prev is not None  # `old` came from it
-            message = f"instance {instance_id} ({peer or 'unknown peer'}) superseded instance {old} ({prev['instance_peer'] or 'unknown peer'})"
+            old_peer = prev["instance_peer"] or "unknown peer"
+            message = f"instance {instance_id} ({peer or 'unknown peer'}) superseded instance {old} ({old_peer})"
             await conn.fetchrow(
                 self.q["supersede_instance"], node_id, old, instance_id, prev["last_heartbeat_at"], handover_after,
                 message, prev["instance_peer"] or "", peer,

@@ -5,7 +5,6 @@ store's pool and error translation, and it never changes a task or a node.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from datetime import datetime

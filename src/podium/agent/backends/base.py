@@ -153,7 +153,7 @@ class Backend(abc.ABC):
     async def fingerprint(self) -> Fingerprint:
         """Is it usable now, and what does it offer (limits, egress contexts, artifacts held)?"""
 
-    async def prepare(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> None:
+    async def prepare(self, spec: RunSpec, env: Mapping[str, str], workdir: Path) -> None:  # noqa: B027 - optional step
         """Get ready what `start` needs (pull the image, create the container) while the attempt is
         still provisioning, before the server's Accepted; raise StartFailed if it cannot be. Nothing
         runs yet."""
@@ -183,5 +183,5 @@ class Backend(abc.ABC):
     async def recover(self) -> list[Recovered]:
         """What earlier agent instances on this node left: their sandboxes, running or not."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional step
         """Release the backend's own resources (connections); sandboxes are untouched."""
