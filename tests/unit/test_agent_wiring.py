@@ -3,8 +3,9 @@ which limits a container gets, which classes a node reports."""
 
 from __future__ import annotations
 
-from podium.agent.agent import _REPORTED_CLASSES, _limits, _login_for
+from podium.agent.agent import _REPORTED_CLASSES
 from podium.agent.backends import FAILURE_CLASSES, RegistryAuth
+from podium.agent.backends.container import _limits, _login_for
 from podium.failures import NODE_REPORTED
 
 

@@ -29,7 +29,6 @@ import grpc
 from podium import __version__
 from podium.agent import materialize
 from podium.agent.backends.base import (
-    EGRESS_OPEN,
     FAILURE_CANCELLED,
     FAILURE_EXIT,
     FAILURE_INTERNAL,
@@ -578,27 +577,11 @@ class Agent:
             )
 
     def _run_spec(
-        self, a: Attempt, kind: str, secret_env: dict[str, str], gpus: list[int], logins: list[RegistryAuth], workdir: Path
+        self, a: Attempt, backend: Backend, secret_env: dict[str, str], gpus: list[int], logins: list[RegistryAuth], workdir: Path
     ) -> tuple[RunSpec, dict[str, str]]:
-        """The task's spec in a backend's terms, and the environment it runs with."""
-        spec = a.spec
+        """The task's spec in its backend's terms, and the environment it runs with."""
         ids = {"PODIUM_TASK_ID": a.task_id, "PODIUM_ATTEMPT": str(a.attempt), "PODIUM_NODE_ID": self.node_id}
-        if kind != "container":
-            env = dict(os.environ) if spec.get("inherit_env") else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-            env.update({"HOME": str(workdir), **ids})
-            env.update(spec.get("env") or {})
-            env.update(secret_env)
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-            return RunSpec(a.task_id, a.token, a.attempt, command=tuple(spec["command"])), env
-        # a container keeps its image's environment (PATH, HOME): nothing of this node's is passed in
-        env = {**ids, **(spec.get("env") or {}), **secret_env}
-        image = str(spec.get("image") or "")
-        cpu, memory = _limits(spec)
-        return RunSpec(
-            a.task_id, a.token, a.attempt, command=tuple(spec.get("command") or ()), image=image,
-            egress=spec.get("egress") or EGRESS_OPEN, cpu_millis=cpu, memory_bytes=memory,
-            registry_auth=_login_for(image, logins),
-        ), env  # fmt: skip
+        return backend.run_spec(RunSpec(a.task_id, a.token, a.attempt), a.spec, ids, secret_env, gpus, logins, workdir)
 
     async def _run(self, a: Attempt, secret_env: dict[str, str], gpus: list[int], logins: list[RegistryAuth] | None = None) -> None:
         self._event(a, K.PROVISIONING)
@@ -614,12 +597,12 @@ class Agent:
                             failure_class=FAILURE_PROVISIONING)  # fmt: skip
                 return
             a.backend = backend
-            run_spec, env = self._run_spec(a, kind, secret_env, gpus, logins or [], workdir)
+            run_spec, env = self._run_spec(a, backend, secret_env, gpus, logins or [], workdir)
             if self.cfg.provision_delay:
                 await asyncio.sleep(self.cfg.provision_delay)
             try:
                 await backend.prepare(run_spec, env, workdir)  # the pull and the create, before Accepted
-                if kind == "container":
+                if backend.holds_artifacts:
                     self._look_again.set()  # an image may have arrived: tell the server what is held
                 # Start only once the server has recorded that this node accepted: an assignment revoked
                 # by the accept deadline (its "provisioning" came too late) is then never started here.
@@ -649,12 +632,8 @@ class Agent:
             a.handle = handle
             a.phase = "running"
             try:
-                if kind == "container":
-                    self.fence.add_container(handle.ref, a.task_id, a.token)
-                    self._journal(ev="start", task=a.task_id, token=a.token, container=handle.ref)
-                else:
-                    self.fence.add(int(handle.ref), a.task_id, a.token)
-                    self._journal(ev="start", task=a.task_id, token=a.token, pid=int(handle.ref))
+                fenced_as = backend.fence(self.fence, handle, a.task_id, a.token)
+                self._journal(ev="start", task=a.task_id, token=a.token, **fenced_as)
                 self._event(a, K.RUNNING, backend_ref=handle.ref)
                 if a.cancel_requested:
                     asyncio.get_running_loop().create_task(backend.stop(handle, self.kill_grace, FAILURE_CANCELLED))
@@ -666,10 +645,7 @@ class Agent:
             finally:
                 # however the wait ended: a group left registered could be killed at the next lapse
                 # under a number another process has by then
-                if kind == "container":
-                    self.fence.remove_container(handle.ref)
-                else:
-                    self.fence.remove(int(handle.ref))
+                backend.unfence(self.fence, handle)
             self._journal(ev="stop", task=a.task_id, token=a.token, code=result.exit_code)
             # Who ended it, as known rather than guessed: this agent (superseded, shutting down), or the
             # fence keeper whose SIGKILL it died of. Neither is the task's own exit.
@@ -700,7 +676,7 @@ class Agent:
         finally:
             with contextlib.suppress(OSError):
                 shutil.rmtree(workdir)
-            if kind == "container" and backend is not None:
+            if backend is not None and backend.proves_release:
                 await self._release(a, backend, handle, run_spec)
 
     async def _release(self, a: Attempt, backend: Backend, handle: Handle | None, spec: RunSpec | None) -> None:
@@ -761,25 +737,3 @@ class Agent:
         for backend in self.backends.values():
             with contextlib.suppress(Exception):
                 await backend.close()
-
-
-def _limits(spec: dict) -> tuple[int | None, int | None]:
-    """(CPU millicores, memory bytes) the spec asks for, as the server validated them."""
-    from podium.spec import ResourceSpec
-
-    try:
-        r = ResourceSpec.model_validate(spec.get("resources") or {})
-    except ValueError:
-        return None, None
-    return r.cpu or None, r.memory or None
-
-
-def _login_for(image: str, logins: list[RegistryAuth]) -> RegistryAuth | None:
-    """The login for the image's own registry, if the server sent one; no other goes with a pull."""
-    from podium.images import parse_image
-
-    try:
-        registry = parse_image(image).registry
-    except ValueError:
-        return None
-    return next((r for r in logins if r.registry.lower() == registry.lower()), None)

@@ -13,7 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from podium.agent.fence import FenceKeeper
 
 # Failure classes (the seed's FailureClass): why an attempt ended, one word each. The reason
 # sentence stays one of podium.reasons; the class and the engine's own words sit beside it.
@@ -148,6 +151,28 @@ class Backend(abc.ABC):
     threads so the agent's event loop (its heartbeats) never waits on an engine."""
 
     kind: str
+    # What the agent does differently for this kind of sandbox, said by the backend, so the agent's
+    # loop never asks which kind it runs: preparing may bring artifacts (images) the server should
+    # hear of; the sandbox outlives its command, so its capacity is freed only by a release proof.
+    holds_artifacts: bool = False
+    proves_release: bool = False
+
+    @abc.abstractmethod
+    def run_spec(
+        self, attempt: RunSpec, spec: Mapping[str, Any], ids: Mapping[str, str], secret_env: Mapping[str, str],
+        gpus: list[int], logins: list[RegistryAuth], workdir: Path,
+    ) -> tuple[RunSpec, dict[str, str]]:
+        """The task's spec in this backend's terms (`attempt` names the task, token and attempt), and
+        the environment the command runs with (`ids`: the PODIUM_* variables every task gets)."""
+
+    @abc.abstractmethod
+    def fence(self, keeper: FenceKeeper, handle: Handle, task_id: str, token: int) -> dict[str, Any]:
+        """Give the started sandbox to the fence keeper (so it dies when the lease does); what the
+        journal records of it."""
+
+    @abc.abstractmethod
+    def unfence(self, keeper: FenceKeeper, handle: Handle) -> None:
+        """Take it back from the keeper once its command has ended."""
 
     @abc.abstractmethod
     async def fingerprint(self) -> Fingerprint:

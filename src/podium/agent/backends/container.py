@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import docker
 import docker.auth
@@ -50,6 +51,9 @@ from podium.agent.backends.base import (
     RunSpec,
     StartFailed,
 )
+
+if TYPE_CHECKING:
+    from podium.agent.fence import FenceKeeper
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,28 @@ class ContainerBackend(Backend):
     the Docker environment is used (DOCKER_HOST and friends, else the default socket)."""
 
     kind = KIND
+    holds_artifacts = True  # a pull brings an image the server should know this node holds
+    proves_release = True  # a container outlives its command: removed, and proven removed
+
+    def run_spec(
+        self, attempt: RunSpec, spec: Mapping[str, Any], ids: Mapping[str, str], secret_env: Mapping[str, str],
+        gpus: list[int], logins: list[RegistryAuth], workdir: Path,
+    ) -> tuple[RunSpec, dict[str, str]]:
+        # a container keeps its image's environment (PATH, HOME): nothing of this node's is passed in
+        env = {**ids, **(spec.get("env") or {}), **secret_env}
+        image = str(spec.get("image") or "")
+        cpu, memory = _limits(spec)
+        return dataclasses.replace(
+            attempt, command=tuple(spec.get("command") or ()), image=image, egress=spec.get("egress") or EGRESS_OPEN,
+            cpu_millis=cpu, memory_bytes=memory, registry_auth=_login_for(image, logins),
+        ), env  # fmt: skip
+
+    def fence(self, keeper: FenceKeeper, handle: Handle, task_id: str, token: int) -> dict[str, Any]:
+        keeper.add_container(handle.ref, task_id, token)  # killed through the engine
+        return {"container": handle.ref}
+
+    def unfence(self, keeper: FenceKeeper, handle: Handle) -> None:
+        keeper.remove_container(handle.ref)
 
     def __init__(self, node_id: str, instance_id: str, host: str | None = None) -> None:
         self.node_id = node_id
@@ -503,3 +529,24 @@ def _same_registry(a: str, b: str) -> bool:
 
     return norm(a) == norm(b)
 
+
+def _limits(spec: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(CPU millicores, memory bytes) the spec asks for, as the server validated them."""
+    from podium.spec import ResourceSpec
+
+    try:
+        r = ResourceSpec.model_validate(spec.get("resources") or {})
+    except ValueError:
+        return None, None
+    return r.cpu or None, r.memory or None
+
+
+def _login_for(image: str, logins: list[RegistryAuth]) -> RegistryAuth | None:
+    """The login for the image's own registry, if the server sent one; no other goes with a pull."""
+    from podium.images import parse_image
+
+    try:
+        registry = parse_image(image).registry
+    except ValueError:
+        return None
+    return next((r for r in logins if r.registry.lower() == registry.lower()), None)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from podium.agent.backends.base import (
     EGRESS_OPEN,
@@ -26,11 +28,15 @@ from podium.agent.backends.base import (
     Handle,
     OutputSink,
     Recovered,
+    RegistryAuth,
     ReleaseProof,
     RunSpec,
     StartFailed,
 )
 from podium.agent.process_backend import ProcessRun
+
+if TYPE_CHECKING:
+    from podium.agent.fence import FenceKeeper
 
 KIND = "process"
 # how long destroy waits for a SIGKILLed group to leave the process table
@@ -46,6 +52,25 @@ class _State:
 
 class ProcessBackend(Backend):
     kind = KIND
+
+    def run_spec(
+        self, attempt: RunSpec, spec: Mapping[str, Any], ids: Mapping[str, str], secret_env: Mapping[str, str],
+        gpus: list[int], logins: list[RegistryAuth], workdir: Path,
+    ) -> tuple[RunSpec, dict[str, str]]:
+        # a process gets a plain environment (PATH, its own HOME) unless the spec inherits the agent's
+        env = dict(os.environ) if spec.get("inherit_env") else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        env.update({"HOME": str(workdir), **ids})
+        env.update(spec.get("env") or {})
+        env.update(secret_env)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        return dataclasses.replace(attempt, command=tuple(spec["command"])), env
+
+    def fence(self, keeper: FenceKeeper, handle: Handle, task_id: str, token: int) -> dict[str, Any]:
+        keeper.add(int(handle.ref), task_id, token)  # its process group
+        return {"pid": int(handle.ref)}
+
+    def unfence(self, keeper: FenceKeeper, handle: Handle) -> None:
+        keeper.remove(int(handle.ref))
 
     async def fingerprint(self) -> Fingerprint:
         # processes share the node's network and are not confined to their resources
