@@ -15,7 +15,7 @@ import logging
 import random
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -40,6 +40,11 @@ from podium.store.queries import queries
 from podium.store.rows import OutboxRow, TaskFactsRow
 
 log = logging.getLogger(__name__)
+
+#: A row read by column name, as the store hands it to the API's models and the dispatcher: a
+#: read-only mapping, whatever the driver's own record type is (the watchdog and the gateway get
+#: `rows.py`'s dataclasses instead). Nothing above the store may rely on more than this.
+Record: TypeAlias = Mapping[str, Any]
 
 # Before the first task in the newest-first order: the first page's keyset cursor.
 _TASKS_START = (datetime.max.replace(tzinfo=UTC), uuid.UUID(int=(1 << 128) - 1))
@@ -192,7 +197,7 @@ class DispatchOutcome:
 class NodeHello:
     """What recording a Hello decided."""
 
-    row: asyncpg.Record | None  # None: the node was removed from the fleet (or the instance refused)
+    row: Record | None  # None: the node was removed from the fleet (or the instance refused)
     superseded: str | None = None  # the instance this Hello took the node from
     refused_by: str | None = None  # this instance was superseded before, by that one: not recorded
     materializations_before: list[dict[str, Any]] = field(default_factory=list)  # the node's, before this Hello
@@ -201,14 +206,10 @@ class NodeHello:
 # (claimed task rows, node rows changed since the caller's horizon, the new horizon, provisioning
 # operations per node now) → (placements, {task: queued reason})
 Decider = Callable[
-    [list[asyncpg.Record], list[asyncpg.Record], int, dict[str, int]],
+    [list[Record], list[Record], int, dict[str, int]],
     tuple[list[PlacementDecision], dict[uuid.UUID, str]],
 ]
 
-
-#: A row as the driver returns it, read by column name: what the API's models are built from (the
-#: loops and the gateway get `rows.py`'s own types instead).
-Record: TypeAlias = Any
 
 
 class _Conn(Protocol):
@@ -370,14 +371,14 @@ class Store:
         actor: str = "api",
         spec_name: str | None = None,
         spec_revision: int | None = None,
-    ) -> tuple[asyncpg.Record, bool]:
+    ) -> tuple[Record, bool]:
         """Store a new queued task (with its first event and its audit entry). With an idempotency
         key already used, return that task instead (created=False); the same key with a different
         spec is a Conflict."""
         return (await self.submit_many([(spec, idempotency_key)], actor=actor, spec_name=spec_name, spec_revision=spec_revision))[0]
 
     @staticmethod
-    def _same_submission(existing: asyncpg.Record | None, key: str | None, spec_json: Any) -> asyncpg.Record:
+    def _same_submission(existing: Record | None, key: str | None, spec_json: Any) -> Record:
         if existing is None:  # the first submit's row was pruned between the two statements
             raise Conflict(f"idempotency key {key!r} was used by a task that no longer exists")
         if existing["spec"] != spec_json:
@@ -395,7 +396,7 @@ class Store:
         actor: str,
         spec_name: str | None = None,
         spec_revision: int | None = None,
-    ) -> list[tuple[asyncpg.Record, bool]]:
+    ) -> list[tuple[Record, bool]]:
         """Many submissions in one statement and one commit; per item the same answer `submit` gives.
         The whole batch is refused (nothing stored) if any item reuses a key for a different spec."""
         specs = [json.loads(spec.model_dump_json()) for spec, _key in items]
@@ -434,17 +435,17 @@ class Store:
     # ---- named specs ----------------------------------------------------------------------------
 
     @_retried
-    async def put_named_spec(self, name: str, spec: TaskSpec, actor: str) -> asyncpg.Record:
+    async def put_named_spec(self, name: str, spec: TaskSpec, actor: str) -> Record:
         spec_json = json.loads(spec.model_dump_json())
         for _ in range(5):
             try:
                 async with self._conn() as conn:
-                    return await conn.fetchrow(self.q["put_named_spec"], name, spec_json, actor)
+                    return _returned(await conn.fetchrow(self.q["put_named_spec"], name, spec_json, actor))
             except asyncpg.UniqueViolationError:
                 continue  # another writer took that revision number: take the next one
         raise Conflict(f"spec {name!r} is being changed by someone else; try again")
 
-    async def named_spec(self, name: str, revision: int | None = None) -> asyncpg.Record:
+    async def named_spec(self, name: str, revision: int | None = None) -> Record:
         async with self._conn() as conn:
             if revision is None:
                 row = await conn.fetchrow(self.q["latest_named_spec"], name)
@@ -454,13 +455,13 @@ class Store:
             raise NotFound(f"no spec named {name!r}" + (f" at revision {revision}" if revision is not None else ""))
         return row
 
-    async def list_named_specs(self) -> list[asyncpg.Record]:
+    async def list_named_specs(self) -> list[Record]:
         async with self._conn() as conn:
             return await conn.fetch(self.q["list_named_specs"])
 
     async def submit_named(
         self, name: str, revision: int | None, *, idempotency_key: str | None, actor: str
-    ) -> tuple[asyncpg.Record, bool]:
+    ) -> tuple[Record, bool]:
         """Submit the latest revision of a named spec; a pin to any other revision is refused, so a
         client never runs a spec it has not seen."""
         latest = await self.named_spec(name)
@@ -550,14 +551,14 @@ class Store:
         async with self._conn() as conn:
             return int(await conn.fetchval(self.q["assigned_in_flight"], up_to))
 
-    async def get_task(self, task_id: uuid.UUID) -> asyncpg.Record:
+    async def get_task(self, task_id: uuid.UUID) -> Record:
         async with self._conn() as conn:
             row = await conn.fetchrow(self.q["get_task"], task_id)
         if row is None:
             raise NotFound(f"no task {task_id}")
         return row
 
-    async def task_detail(self, task_id: uuid.UUID) -> tuple[asyncpg.Record, list[asyncpg.Record], list[asyncpg.Record]]:
+    async def task_detail(self, task_id: uuid.UUID) -> tuple[Record, list[Record], list[Record]]:
         async with self._conn() as conn:
             task = await conn.fetchrow(self.q["get_task"], task_id)
             if task is None:
@@ -582,7 +583,7 @@ class Store:
         name: str | None = None,
         limit: int = 100,
         after: tuple[datetime, uuid.UUID] | None = None,
-    ) -> list[asyncpg.Record]:
+    ) -> list[Record]:
         """One page of tasks, newest first (created_at, id descending), strictly after the keyset
         cursor `after` (the last row of the page before)."""
         at, tid = after or _TASKS_START
@@ -625,7 +626,7 @@ class Store:
         found: uuid.UUID = rows[0]["id"]
         return found
 
-    async def task_events(self, task_id: uuid.UUID, after: int, limit: int) -> list[asyncpg.Record]:
+    async def task_events(self, task_id: uuid.UUID, after: int, limit: int) -> list[Record]:
         """One page of a task's events in the order they happened, after event id `after`."""
         async with self._conn() as conn:
             if await conn.fetchrow(self.q["get_task"], task_id) is None:
@@ -641,7 +642,7 @@ class Store:
         attempt: int | None = None,
         offset: int = 0,
         limit: int = 1000,
-    ) -> list[asyncpg.Record]:
+    ) -> list[Record]:
         """A task's output in the order it was written, from just after the position `after`
         (fencing token, seq, stream) of a chunk the reader has; `stream`/`attempt` narrow it, and
         chunks ending at or before byte `offset` of their stream are left out."""
@@ -762,7 +763,7 @@ class Store:
 
     # ---- nodes ----------------------------------------------------------------------------------
 
-    async def node_hello(self, **facts: Any) -> asyncpg.Record | None:
+    async def node_hello(self, **facts: Any) -> Record | None:
         """Record a (re)connecting node and give it a new session. None if the node was revoked."""
         return (await self.instance_hello(**facts)).row
 
@@ -859,7 +860,7 @@ class Store:
         async with self._conn() as conn:
             await conn.execute(self.q["node_event"], node_id, kind, message, detail or {})
 
-    async def node_events(self, node_id: str, after: int = 0, limit: int = 1000) -> list[asyncpg.Record]:
+    async def node_events(self, node_id: str, after: int = 0, limit: int = 1000) -> list[Record]:
         async with self._conn() as conn:
             return await conn.fetch(self.q["node_events"], node_id, after, limit)
 
@@ -909,11 +910,11 @@ class Store:
         async with self._conn() as conn:
             return [r["node_id"] for r in await conn.fetch(self.q["node_outbox_pending"])]
 
-    async def list_nodes(self) -> list[asyncpg.Record]:
+    async def list_nodes(self) -> list[Record]:
         async with self._conn() as conn:
             return await conn.fetch(self.q["list_nodes"])
 
-    async def list_nodes_page(self, *, limit: int, after: tuple[str, str] | None = None) -> list[asyncpg.Record]:
+    async def list_nodes_page(self, *, limit: int, after: tuple[str, str] | None = None) -> list[Record]:
         """One page of nodes by (name, id), strictly after the keyset cursor `after`."""
         name, nid = after or (None, None)
         async with self._conn() as conn:
@@ -924,7 +925,7 @@ class Store:
         async with self._conn() as conn:
             return int(await conn.fetchval(self.q["count_nodes_after"], name, nid, cap))
 
-    async def get_node(self, ref: str) -> asyncpg.Record:
+    async def get_node(self, ref: str) -> Record:
         """A node by id or by name, else by the start of one (as git takes a commit's); a name two
         nodes share, or a prefix several start with, is refused naming them."""
         async with self._conn() as conn:
@@ -960,7 +961,7 @@ class Store:
                 f"read its labels again (`podium nodes`) and decide again"
             )
 
-    async def placement_nodes(self) -> list[asyncpg.Record]:
+    async def placement_nodes(self) -> list[Record]:
         async with self._conn() as conn:
             return await conn.fetch(self.q["placement_nodes"])
 
@@ -975,7 +976,7 @@ class Store:
 
     # ---- sandboxes: resolved images, release proofs, inventories ---------------------------------
 
-    async def claim_unresolved(self, limit: int, lease_seconds: float) -> list[asyncpg.Record]:
+    async def claim_unresolved(self, limit: int, lease_seconds: float) -> list[Record]:
         """Up to `limit` queued container tasks due for resolving their image, each held for
         `lease_seconds` against other resolvers: (id, image, resolve_tries)."""
         async with self._conn() as conn:
@@ -1020,13 +1021,13 @@ class Store:
             )  # fmt: skip
         return [(r["task_id"], r["fencing_token"], r["released"]) for r in rows]
 
-    async def release_abandoned(self, limit: int) -> list[asyncpg.Record]:
+    async def release_abandoned(self, limit: int) -> list[Record]:
         """Release the ended container attempts waiting for a proof on nodes that are offline or
         removed: the node-loss policy has given up on them, and says so in the proof."""
         async with self._conn() as conn:
             return await conn.fetch(self.q["release_abandoned"], limit, reasons.NODE_REVOKED, reasons.NODE_LOST)
 
-    async def nodes_releasing(self, node_ids: Sequence[str]) -> dict[str, asyncpg.Record]:
+    async def nodes_releasing(self, node_ids: Sequence[str]) -> dict[str, Record]:
         """Per node, the capacity ended attempts still hold until their release proof."""
         if not node_ids:
             return {}
@@ -1045,19 +1046,19 @@ class Store:
 
     # ---- security -------------------------------------------------------------------------------
 
-    async def insert_token(self, token_id: str, name: str, role: str, secret_hash: bytes, created_by: str) -> asyncpg.Record:
+    async def insert_token(self, token_id: str, name: str, role: str, secret_hash: bytes, created_by: str) -> Record:
         async with self._conn() as conn:
-            return await conn.fetchrow(self.q["insert_token"], token_id, name, role, secret_hash, created_by)
+            return _returned(await conn.fetchrow(self.q["insert_token"], token_id, name, role, secret_hash, created_by))
 
-    async def get_token(self, token_id: str) -> asyncpg.Record | None:
+    async def get_token(self, token_id: str) -> Record | None:
         async with self._conn() as conn:
             return await conn.fetchrow(self.q["get_token"], token_id)
 
-    async def list_tokens(self) -> list[asyncpg.Record]:
+    async def list_tokens(self) -> list[Record]:
         async with self._conn() as conn:
             return await conn.fetch(self.q["list_tokens"])
 
-    async def revoke_token(self, token_id: str) -> asyncpg.Record:
+    async def revoke_token(self, token_id: str) -> Record:
         """Revoke the active token with this id, or the one whose id starts with it."""
         async with self._conn() as conn:
             row = await conn.fetchrow(self.q["revoke_token"], token_id)
@@ -1081,11 +1082,11 @@ class Store:
         async with self._conn() as conn:
             return int(await conn.fetchval(self.q["active_token_count"], role))
 
-    async def put_secret(self, name: str, nonce: bytes, ciphertext: bytes, actor: str) -> asyncpg.Record:
+    async def put_secret(self, name: str, nonce: bytes, ciphertext: bytes, actor: str) -> Record:
         async with self._conn() as conn:
-            return await conn.fetchrow(self.q["put_secret"], name, nonce, ciphertext, actor)
+            return _returned(await conn.fetchrow(self.q["put_secret"], name, nonce, ciphertext, actor))
 
-    async def list_secrets(self) -> list[asyncpg.Record]:
+    async def list_secrets(self) -> list[Record]:
         async with self._conn() as conn:
             return await conn.fetch(self.q["list_secrets"])
 
@@ -1094,7 +1095,7 @@ class Store:
             if await conn.fetchrow(self.q["delete_secret"], name) is None:
                 raise NotFound(f"no secret {name!r}")
 
-    async def get_secrets(self, names: Sequence[str]) -> list[asyncpg.Record]:
+    async def get_secrets(self, names: Sequence[str]) -> list[Record]:
         async with self._conn() as conn:
             return await conn.fetch(self.q["get_secrets"], list(names))
 
@@ -1102,7 +1103,7 @@ class Store:
         async with self._conn() as conn:
             await conn.execute(self.q["audit"], actor, action, target, detail or {})
 
-    async def read_audit(self, limit: int, before: int | None = None) -> list[asyncpg.Record]:
+    async def read_audit(self, limit: int, before: int | None = None) -> list[Record]:
         """One page of the audit log, newest first, of entries older than entry `before`."""
         async with self._conn() as conn:
             return await conn.fetch(self.q["read_audit"], limit, before)
@@ -1111,7 +1112,7 @@ class Store:
         async with self._conn() as conn:
             return int(await conn.fetchval(self.q["count_audit_after"], cap, before))
 
-    async def node_credential(self, node_id: str) -> asyncpg.Record | None:
+    async def node_credential(self, node_id: str) -> Record | None:
         async with self._conn() as conn:
             return await conn.fetchrow(self.q["node_credential"], node_id)
 
@@ -1160,3 +1161,9 @@ class Store:
     async def lost_tasks(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
             return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_lost"], limit)]
+
+
+def _returned(row: Record | None) -> Record:
+    """The row an INSERT … RETURNING gave back (one always comes back)."""
+    assert row is not None
+    return row

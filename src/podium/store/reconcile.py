@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import asyncpg
-
-from podium.store.db import Store, _retried
+from podium.store.db import Record, Store, _retried
 
 
 class ReconcileStore:
@@ -18,7 +16,7 @@ class ReconcileStore:
         self.serialization_retry_limit = store.serialization_retry_limit
 
     @_retried
-    async def claim(self, owner: str, limit: int, claim_seconds: float) -> list[asyncpg.Record]:
+    async def claim(self, owner: str, limit: int, claim_seconds: float) -> list[Record]:
         """Claim up to `limit` live attempts due for a check for `owner`, until `claim_seconds` from
         now, each with its task's and its node's facts as they are now."""
         async with self.store._conn() as conn:

@@ -10,9 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import asyncpg
-
-from podium.store.db import Store
+from podium.store.db import Record, Store
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -51,7 +49,7 @@ class UiStore:
         state: str | None = None,
         tasks: bool = True,
         nodes: bool = True,
-    ) -> list[asyncpg.Record]:
+    ) -> list[Record]:
         async with self.store._conn() as conn:
             return await conn.fetch(
                 self.store.q["events_after"], str(cursor.txid), cursor.id, cursor.floor, limit, task_id, node_id, state, tasks, nodes
@@ -70,14 +68,14 @@ class UiStore:
         node_id: str | None,
         labels: dict[str, str] | None,
         limit: int,
-    ) -> list[asyncpg.Record]:
+    ) -> list[Record]:
         at, tid = before if before else (None, None)
         async with self.store._conn() as conn:
             return await conn.fetch(
                 self.store.q["ui_tasks_page"], at, tid, state, name, node_id, labels or None, limit
             )
 
-    async def spec_revisions(self, name: str) -> list[asyncpg.Record]:
+    async def spec_revisions(self, name: str) -> list[Record]:
         async with self.store._conn() as conn:
             return await conn.fetch(self.store.q["ui_spec_revisions"], name)
 
