@@ -230,6 +230,10 @@ class Client:
             body["idempotency_key"] = idempotency_key
         return Task.of(self._call("POST", "/v1/tasks", json=body)["task"])
 
+    def submit_many(self, specs: list[dict[str, Any]]) -> list[Task]:
+        """Submit up to 1,000 task specs in one transaction: all are stored, or none. In their order."""
+        return [Task.of(r["task"]) for r in self._call("POST", "/v1/tasks/batch", json={"tasks": specs})]
+
     def task(self, task_id: str) -> Task:
         return Task.of(self._call("GET", f"/v1/tasks/{task_id}"))
 

@@ -1154,3 +1154,7 @@ def _main() -> None:
             raise
         _error(f"{type(e).__name__}: {e} (PODIUM_DEBUG=1 shows the traceback)")
         sys.exit(1)
+
+
+from podium.cli.bench import bench as _bench  # noqa: E402 - `podium bench` lives in cli/bench.py
+app.command("bench")(_bench)
