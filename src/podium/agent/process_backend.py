@@ -18,10 +18,43 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
+import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 CHUNK = 64 * 1024
+
+_PIDFD_WORKS: bool | None = None
+
+
+def _watch_exits_by_pidfd() -> None:
+    """Learn of a task's exit from a pidfd on the agent's own loop. Python 3.11's default watcher
+    starts a thread per child to wait for it (0.3-0.5 ms of CPU per task here); 3.12 and later use
+    pidfds by themselves. Attached to the running loop when it is not yet: a process may run several
+    loops in turn (tests do)."""
+    global _PIDFD_WORKS
+    if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
+        return
+    if _PIDFD_WORKS is None:  # a kernel before 5.3, or a sandbox that refuses the call: the threads then
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+            _PIDFD_WORKS = True
+        except OSError:
+            _PIDFD_WORKS = False
+    if not _PIDFD_WORKS:
+        return
+    policy = asyncio.get_event_loop_policy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        watcher = policy.get_child_watcher()
+        if not isinstance(watcher, asyncio.PidfdChildWatcher):
+            watcher = asyncio.PidfdChildWatcher()
+            policy.set_child_watcher(watcher)
+        # attach_loop forgets every child being watched: only for a loop not yet watched (a new one)
+        if not watcher.is_active():
+            watcher.attach_loop(asyncio.get_running_loop())
+
 
 OutputSink = Callable[[str, bytes], Awaitable[None]]
 
@@ -40,6 +73,7 @@ class ProcessRun:
 
     async def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        _watch_exits_by_pidfd()
         self.proc = await asyncio.create_subprocess_exec(
             *self.command,
             cwd=str(self.workdir),
