@@ -23,7 +23,10 @@ AGENT = textwrap.dedent("""
     task = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
     if sys.argv[2] == "registered":
         keeper.add(task.pid, "t-registered", 1)
-    print(task.pid, keeper.proc.pid, flush=True)
+    keeper_pid = keeper.proc.pid
+    if sys.argv[2] == "closes":
+        keeper.close()  # a clean shutdown: the agent lives on while its keeper goes
+    print(task.pid, keeper_pid, flush=True)
     time.sleep(600)
 """)
 
@@ -67,6 +70,22 @@ def test_a_registered_task_dies_with_its_agent() -> None:
         agent.send_signal(signal.SIGKILL)
         agent.wait(10)
         wait_for(lambda: not pid_alive(task), 30, what="the keeper to kill the registered task")
+    finally:
+        agent.kill()
+        agent.wait(10)
+        assert agent.stdout is not None
+        agent.stdout.close()
+        try:
+            os.killpg(task, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_keeper_closed_by_its_living_agent_leaves_the_agents_children_alone() -> None:
+    agent, task, keeper = _agent(f"orphan-test-{os.getpid()}-c", "closes")
+    try:
+        assert not pid_alive(keeper)  # close() waited for it
+        assert pid_alive(task), "a clean close of the keeper killed a child of the living agent"
     finally:
         agent.kill()
         agent.wait(10)

@@ -32,6 +32,7 @@ Protocol on stdin, one command a line (times are CLOCK_MONOTONIC, shared by ever
     kill <why>                    kill every group now (the agent was superseded by another process)
     cadd <id> <task> <token>      a container (on the engine given at start) to fence
     cdel <id>                     that container ended by itself
+    bye                           the agent is closing the pipe on purpose, alive (no sweep for orphans)
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def _orphans(node: str, agent: int) -> list[tuple[int, str]]:
     handed = time.monotonic() + 1.0
     while os.getppid() == agent and time.monotonic() < handed:
         time.sleep(0.005)
+    if os.getppid() == agent:  # the agent lives on (it closed the pipe itself): its children are its own
+        return []
     parents = {agent, os.getppid()}
     try:
         here = os.readlink("/proc/self/ns/pid")
@@ -131,6 +134,7 @@ def main(journal: str | None, engine_url: str | None = None, node: str | None = 
     containers: dict[str, tuple[str, str]] = {}
     engine = _Engine(engine_url)
     agent = os.getppid()  # the agent started this keeper
+    closing = False  # the agent said it closes the pipe on purpose
     buf = b""
     fd = sys.stdin.fileno()
 
@@ -155,7 +159,7 @@ def main(journal: str | None, engine_url: str | None = None, node: str | None = 
             chunk = os.read(fd, 65536)
             if not chunk:  # the agent is gone: nothing may outlive it
                 fence("agent gone")
-                for pgid, task in _orphans(node, agent) if node else []:
+                for pgid, task in _orphans(node, agent) if node and not closing else []:
                     _kill(pgid)
                     record(task, "0", "agent gone (never registered)")
                 return
@@ -178,6 +182,8 @@ def main(journal: str | None, engine_url: str | None = None, node: str | None = 
                     containers.pop(parts[1], None)
                 elif parts[0] == "kill":
                     fence(" ".join(parts[1:]) or "told to")
+                elif parts[0] == "bye":
+                    closing = True
         if (groups or containers) and time.monotonic() > deadline:
             fence("lease expired")
 
@@ -266,7 +272,7 @@ class FenceKeeper:
         if self.proc is not None and self.proc.stdin is not None:
             self.groups.clear()
             self.containers.clear()
-            self._write("lease inf\n", ensure=False)
+            self._write("lease inf\nbye\n", ensure=False)
             try:
                 self.proc.stdin.close()
             except OSError:
