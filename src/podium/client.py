@@ -246,6 +246,10 @@ class _api:  # noqa: N801 - a namespace of request specs, not a class one makes
         return Call("POST", "/v1/tasks", _submitted, json=body)
 
     @staticmethod
+    def submit_many(specs: list[dict[str, Any]]) -> Call[list[Task]]:
+        return Call("POST", "/v1/tasks/batch", lambda d: [Task.of(r["task"]) for r in d], json={"tasks": specs})
+
+    @staticmethod
     def check(body: dict[str, Any]) -> Call[dict[str, Any]]:
         return Call("POST", "/v1/tasks/check", _same, json=body)
 
@@ -436,8 +440,10 @@ class _Stream:
     """One server-sent event stream and where its reader is in it: the last id delivered (sent back
     as Last-Event-ID when it reconnects), the event being parsed, and how long to keep trying."""
 
-    def __init__(self, addr: str, path: str, params: dict[str, str], last_id: str | None) -> None:
+    def __init__(self, addr: str, path: str, params: dict[str, str], last_id: str | None,
+                 on_open: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.addr, self.path, self.params, self.last_id = addr, path, params, last_id
+        self.on_open = on_open
         self.cur: dict[str, str] = {}
         self.give_up: float | None = None
         self.ended = False
@@ -453,6 +459,8 @@ class _Stream:
             raise _error_of(r)
         self.give_up = None
         self.cur = {}
+        if self.on_open is not None:
+            self.on_open()
         return True
 
     def feed(self, line: str) -> tuple[str, str] | None:
@@ -482,9 +490,10 @@ class _Stream:
         return 0.5
 
 
-def _events_stream(addr: str, task: str | None, node: str | None, state: str | None, kind: str | None, after: int | None) -> _Stream:
+def _events_stream(addr: str, task: str | None, node: str | None, state: str | None, kind: str | None, after: int | None,
+                   on_open: Callable[[], None] | None) -> _Stream:  # fmt: skip
     params = {k: v for k, v in (("task", task), ("node", node), ("state", state), ("kind", kind)) if v}
-    return _Stream(addr, "/v1/events", params, None if after is None else str(after))
+    return _Stream(addr, "/v1/events", params, None if after is None else str(after), on_open)
 
 
 def _log_stream(addr: str, ref: str) -> _Stream:
@@ -577,6 +586,10 @@ class Client:
         """Tasks, newest first: up to `limit` (all with None); `.remaining` says how many follow."""
         return self._pages(_Pager("/v1/tasks", limit, Task.of, {"state": state, "node": node, "name": name}))
 
+    def submit_many(self, specs: list[dict[str, Any]]) -> list[Task]:
+        """Submit up to 1,000 task specs in one transaction: all are stored, or none. In their order."""
+        return self._do(_api.submit_many(specs))
+
     def task(self, task_id: str) -> Task:
         return self._do(_api.task(task_id))
 
@@ -609,9 +622,11 @@ class Client:
                 yield item
 
     def events(self, *, task: str | None = None, node: str | None = None, state: str | None = None,
-               kind: str | None = None, after: int | None = None) -> Iterator[Event]:  # fmt: skip
-        """Task and node events from now on (or after event id `after`), forever."""
-        for _name, data in self._stream(_events_stream(self.addr, task, node, state, kind, after)):
+               kind: str | None = None, after: int | None = None, on_open: Callable[[], None] | None = None,
+               ) -> Iterator[Event]:  # fmt: skip
+        """Task and node events from now on (or after event id `after`), forever. `on_open` is called
+        each time the stream is open (again): every event after that moment will be delivered."""
+        for _name, data in self._stream(_events_stream(self.addr, task, node, state, kind, after, on_open)):
             yield Event.of(json.loads(data))
 
     def run(self, command: list[str] | None = None, *, spec: dict[str, Any] | None = None, **fields: Any) -> RunResult:
@@ -739,6 +754,9 @@ class AsyncClient:
                      idempotency_key: str | None = None, **fields: Any) -> Task:  # fmt: skip
         return await self._do(_api.submit(_body(command, spec, idempotency_key, fields)))
 
+    async def submit_many(self, specs: list[dict[str, Any]]) -> list[Task]:
+        return await self._do(_api.submit_many(specs))
+
     async def check(self, spec: dict[str, Any]) -> dict[str, Any]:
         return await self._do(_api.check(spec))
 
@@ -776,8 +794,9 @@ class AsyncClient:
                 yield item
 
     async def events(self, *, task: str | None = None, node: str | None = None, state: str | None = None,
-                     kind: str | None = None, after: int | None = None) -> AsyncIterator[Event]:  # fmt: skip
-        async for _name, data in self._stream(_events_stream(self.addr, task, node, state, kind, after)):
+                     kind: str | None = None, after: int | None = None, on_open: Callable[[], None] | None = None,
+                     ) -> AsyncIterator[Event]:  # fmt: skip
+        async for _name, data in self._stream(_events_stream(self.addr, task, node, state, kind, after, on_open)):
             yield Event.of(json.loads(data))
 
     async def run(self, command: list[str] | None = None, *, spec: dict[str, Any] | None = None, **fields: Any) -> RunResult:

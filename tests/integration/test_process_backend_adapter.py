@@ -75,3 +75,16 @@ async def test_a_missing_command_is_the_exit_a_shell_gives(tmp_path: Path) -> No
     with pytest.raises(StartFailed) as ei:
         await ProcessBackend().start(spec("/no/such/command"), {}, tmp_path / "w")
     assert (ei.value.failure_class, ei.value.exit_code) == (FAILURE_EXIT, 127) and "/no/such/command" in ei.value.message
+
+
+async def test_many_attempts_at_once_each_see_their_own_exit(tmp_path: Path) -> None:
+    """Every exit is seen while others are still running or starting (an exit watcher that forgot
+    the children it watched when the next one started left tasks running for ever)."""
+    b = ProcessBackend()
+    env = {"PATH": os.environ["PATH"]}
+    # started one after another while the earlier ones still run; they end in the reverse order
+    handles = [await b.start(spec("sh", "-c", f"sleep 0.{9 - i}; exit {i}"), env, tmp_path / f"w{i}") for i in range(8)]
+    results = await asyncio.wait_for(asyncio.gather(*(b.wait(h, Output()) for h in handles)), 30)
+    assert [r.exit_code for r in results] == list(range(8))
+    for h in handles:
+        await b.destroy(h)

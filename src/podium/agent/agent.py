@@ -178,7 +178,7 @@ class Agent:
             else:
                 raise ValueError(f"unknown backend {kind!r}: use process or container")
         engine = getattr(self.backends.get("container"), "engine_url", None)
-        self.fence = FenceKeeper(config.journal, engine=engine)
+        self.fence = FenceKeeper(config.journal, engine=engine, node=node_id)
         # what each backend said the last time it was asked; the Hello offers only the available ones
         self.fingerprints: dict[str, Fingerprint] = {}
         self._rehello = asyncio.Event()  # the backends on offer changed: say Hello again

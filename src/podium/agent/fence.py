@@ -8,6 +8,14 @@ deadline each time a heartbeat is acknowledged, with a margin of two heartbeats 
 the deadline passes, or the agent's end of the pipe closes, every registered process group gets
 SIGKILL. It is started in its own session, so signals meant for the agent do not reach it.
 
+A group the agent forked but had not yet registered when it died (the fork and the `add` are a few
+event-loop turns apart) is found when the pipe closes: every process task runs with
+PODIUM_NODE_ID=<node> in its environment and leads its own session, and once its agent is dead it
+has been handed to the same parent as this keeper (init, or a subreaper). A task of another agent
+process of the same node (one that superseded this one) still has that agent as its parent, and is
+left alone. (Tasks used to die with the agent by PR_SET_PDEATHSIG, set between fork and exec; that
+costs a full fork of the agent per task: see agent/process_backend.py.)
+
 Containers are fenced through the engine's own API: the keeper is given the engine's URL (`--engine
 URL`, or `--engine env` for DOCKER_HOST and the default socket) and each container's id, and at the
 fence it asks the engine to SIGKILL them. Why not the container's host PID from inspect (State.Pid)?
@@ -26,6 +34,7 @@ Protocol on stdin, one command a line (times are CLOCK_MONOTONIC, shared by ever
     kill <why>                    kill every group now (the agent was superseded by another process)
     cadd <id> <task> <token>      a container (on the engine given at start) to fence
     cdel <id>                     that container ended by itself
+    bye                           the agent is closing the pipe on purpose, alive (no sweep for orphans)
 
 What it killed, and why, the keeper writes to the kills file (`--kills FD`, a file the agent made and
 reads), one line per attempt *before* it sends the kill:
@@ -121,11 +130,51 @@ class _Engine:
             print(f"fence: kill {container_id[:12]}: {e}", file=sys.stderr)
 
 
-def main(journal: str | None, engine_url: str | None = None, kills_fd: int | None = None) -> None:
+def _orphans(node: str, agent: int) -> list[tuple[int, str]]:
+    """Session leaders in this PID namespace, children of the dead `agent` or (handed on) of this
+    keeper's new parent, whose environment names this node: task groups whose agent died before it
+    could register them."""
+    want = f"PODIUM_NODE_ID={node}".encode()
+    # The pipe closes while the agent exits, before its children are handed on: wait for that, so
+    # the new parent is known (the tasks are handed to the same one as this keeper).
+    handed = time.monotonic() + 1.0
+    while os.getppid() == agent and time.monotonic() < handed:
+        time.sleep(0.005)
+    if os.getppid() == agent:  # the agent lives on (it closed the pipe itself): its children are its own
+        return []
+    parents = {agent, os.getppid()}
+    try:
+        here = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return []
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                after = f.read().rsplit(")", 1)[1].split()
+            # fields after the command: state ppid pgrp session
+            if int(after[1]) not in parents or int(after[3]) != pid or os.readlink(f"/proc/{pid}/ns/pid") != here:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        task = next((e[len(b"PODIUM_TASK_ID="):] for e in env if e.startswith(b"PODIUM_TASK_ID=")), None)
+        if want in env and task is not None:
+            found.append((pid, task.decode(errors="replace")))
+    return found
+
+
+def main(journal: str | None, engine_url: str | None = None, kills_fd: int | None = None, node: str | None = None) -> None:
     deadline = float("inf")
     groups: dict[int, tuple[str, str, int]] = {}
     containers: dict[str, tuple[str, str]] = {}
     engine = _Engine(engine_url)
+    agent = os.getppid()  # the agent started this keeper
+    closing = False  # the agent said it closes the pipe on purpose
     buf = b""
     fd = sys.stdin.fileno()
 
@@ -162,6 +211,9 @@ def main(journal: str | None, engine_url: str | None = None, kills_fd: int | Non
             chunk = os.read(fd, 65536)
             if not chunk:  # the agent is gone: nothing may outlive it
                 fence("agent gone")
+                for pgid, task in _orphans(node, agent) if node and not closing else []:
+                    kill_group(pgid)
+                    record(task, "0", "agent gone (never registered)")
                 return
             buf += chunk
             *lines, buf = buf.split(b"\n")
@@ -182,6 +234,8 @@ def main(journal: str | None, engine_url: str | None = None, kills_fd: int | Non
                     containers.pop(parts[1], None)
                 elif parts[0] == "kill":
                     fence(" ".join(parts[1:]) or "told to")
+                elif parts[0] == "bye":
+                    closing = True
         if (groups or containers) and time.monotonic() > deadline:
             fence(LEASE_EXPIRED)
 
@@ -189,8 +243,9 @@ def main(journal: str | None, engine_url: str | None = None, kills_fd: int | Non
 class FenceKeeper:
     """The agent's handle on its fence process."""
 
-    def __init__(self, journal: Path | None, engine: str | None = None) -> None:
+    def __init__(self, journal: Path | None, engine: str | None = None, node: str | None = None) -> None:
         self.journal = journal
+        self.node = node  # the node id its process tasks carry in PODIUM_NODE_ID
         self.engine = engine  # the container engine's URL, "env" for DOCKER_HOST; None: no containers
         self.proc: subprocess.Popen[bytes] | None = None
         self.deadline = 0.0
@@ -211,6 +266,8 @@ class FenceKeeper:
                     "--kills", str(self._kills_fd)]  # fmt: skip
             if self.engine:
                 args += ["--engine", self.engine]
+            if self.node:
+                args += ["--node", self.node]
             self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, start_new_session=True, pass_fds=(self._kills_fd,))
             # a new keeper knows nothing: tell it everything
             self._write(f"lease {self.deadline}\n", ensure=False)
@@ -308,7 +365,7 @@ class FenceKeeper:
         if self.proc is not None and self.proc.stdin is not None:
             self.groups.clear()
             self.containers.clear()
-            self._write("lease inf\n", ensure=False)
+            self._write("lease inf\nbye\n", ensure=False)
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
             try:
@@ -336,4 +393,4 @@ if __name__ == "__main__":
     _args = sys.argv[1:]
     _opts = dict(zip(_args[::2], _args[1::2], strict=False))
     main(_opts.get("--journal") or None, _opts.get("--engine") or None,
-         int(_opts["--kills"]) if _opts.get("--kills") else None)
+         int(_opts["--kills"]) if _opts.get("--kills") else None, _opts.get("--node") or None)

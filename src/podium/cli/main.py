@@ -18,7 +18,7 @@ from podium.client import PodiumError
 
 # Importing a command module registers its commands on `app`, in the order `podium --help` lists them.
 # isort: off
-from podium.cli import launch, tasks, fleet, specs, admin  # noqa: F401
+from podium.cli import launch, tasks, fleet, specs, admin, bench  # noqa: F401
 # isort: on
 from podium.cli.base import (  # noqa: F401 - the exit codes are this module's public names (tests import them here)
     EXIT_BUSY,

@@ -1,8 +1,8 @@
 """The process backend behind the driver interface: a thin adapter over agent/process_backend.py's
-ProcessRun (its own process group, its own working directory, dies with the agent).
+ProcessRun (its own process group, its own working directory, killed with the agent by the fence keeper).
 
 It adds only what the interface asks for: why a stop happened, a release proof that the group is
-empty, and an honest `recover` (nothing survives an agent: the group leader dies with it). It must
+empty, and an honest `recover` (nothing survives an agent: the fence keeper kills its groups). It must
 never run a command through a shell or outlive the agent.
 """
 
@@ -115,7 +115,7 @@ class ProcessBackend(Backend):
         return ReleaseProof(ref=handle.ref, at=datetime.now(UTC))
 
     async def recover(self) -> list[Recovered]:
-        # every task's group leader gets SIGKILL when the agent dies (PR_SET_PDEATHSIG): there is
+        # every task's group gets SIGKILL from the fence keeper when the agent dies: there is
         # nothing of an earlier instance to re-attach to
         return []
 

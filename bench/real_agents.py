@@ -1,0 +1,204 @@
+"""Real commands through real agents, with the CPU each process spent per task (issue 17).
+
+    .venv/bin/python bench/real_agents.py [--tasks 1000] [--batch 100] [--serial 50] [--agents 4]
+                                          [--slots 16] [--podium PATH] [--json]
+
+Starts one `podium server` on a new embedded PostgreSQL and `--agents` real `podium agent`s on this
+host (ordinary timers: PODIUM_TEST_FAST_TIMERS is removed), runs `podium bench`'s modes against them
+(podium.benchmark: a burst of `true` in batches, then `--serial` tasks one at a time that write a
+timestamp), and reads from /proc the CPU time (user + system) every process of the run spent during
+the burst, by role: server, postgres, agent, fence (the agents' fence keepers), task (the commands
+themselves and anything else under the run). `--podium PATH` runs another build's server and agents
+(e.g. a checkout of main) with this checkout's client, for a before/after in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from podium.benchmark import Bench  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def role(cmd: str) -> str:
+    if "postgres" in cmd:
+        return "postgres"
+    if "agent.fence" in cmd:
+        return "fence"
+    if "podium agent" in cmd:
+        return "agent"
+    if "podium server" in cmd:
+        return "server"
+    return "task"
+
+
+def cpu_ticks(mark: str) -> dict[str, int]:
+    """Clock ticks of CPU (user + system) of every live process whose command line, or an ancestor's,
+    names `mark` (the run's directory: the server's data dir, the agents' state dirs, the embedded
+    PostgreSQL's data dir, which pg_ctl detaches from the server), by role. As in the peers' Podium
+    benchmark, processes that ended (the tasks' commands) are not counted: only what the scheduler's
+    own processes spent."""
+    procs: dict[int, tuple[int, int, str]] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        # utime and stime: fields 14 and 15 of stat, here 11 and 12 after the command's ")"
+        procs[int(pid)] = (int(fields[1]), int(fields[11]) + int(fields[12]), cmd)
+    out: dict[str, int] = {}
+    for pid, (_ppid, ticks, cmd) in procs.items():
+        p, ours = pid, False
+        while p in procs and p > 1 and not ours:
+            ours = mark in procs[p][2]
+            p = procs[p][0]
+        if ours:
+            out[role(cmd)] = out.get(role(cmd), 0) + ticks
+    return out
+
+
+class Run:
+    """A server on a new embedded PostgreSQL and its agents, every one naming the run's directory."""
+
+    def __init__(self, podium: list[str], agents: int, slots: int) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="podium-real-agents-"))
+        self.port, self.gport = free_port(), free_port()
+        env = dict(os.environ, XDG_CONFIG_HOME=str(self.tmp / "cfg"), XDG_DATA_HOME=str(self.tmp / "xdg"))
+        for k in ("PODIUM_TEST_FAST_TIMERS", "PODIUM_DATABASE_URL", "PODIUM_TOKEN", "PODIUM_ADDR"):
+            env.pop(k, None)
+        self.env = env
+        self.podium, self.agents, self.slots = podium, agents, slots
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def _spawn(self, args: list[str], log: str, env: dict[str, str]) -> None:
+        with open(self.tmp / log, "wb") as f:
+            p = subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+
+    def start(self) -> Bench:
+        data = self.tmp / "data"
+        self._spawn([*self.podium, "server", "--port", str(self.port), "--grpc-port", str(self.gport),
+                     "--data-dir", str(data)], "server.log", self.env)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not ((data / "admin-token").exists() and (data / "join-token").exists()):
+            if time.monotonic() > deadline or self.procs[0].poll() is not None:
+                raise SystemExit(f"the server did not start:\n{(self.tmp / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        token, join = (data / "admin-token").read_text().strip(), (data / "join-token").read_text().strip()
+        for i in range(self.agents):
+            self._spawn([*self.podium, "agent", "--server", f"127.0.0.1:{self.gport}", "--name", f"n{i}",
+                         "--slots", str(self.slots), "--state-dir", str(self.tmp / f"agent{i}")],
+                        f"agent{i}.log", dict(self.env, PODIUM_JOIN_TOKEN=join))  # fmt: skip
+        b = Bench(f"http://127.0.0.1:{self.port}", token)
+        while sum(n.health == "online" and n.connected for n in _nodes(b)) < self.agents:
+            if time.monotonic() > deadline:
+                raise SystemExit("the agents did not all connect")
+            time.sleep(0.1)
+        return b
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in reversed(self.procs):
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _nodes(b: Bench) -> list:  # type: ignore[type-arg]
+    try:
+        return b.client.nodes()
+    except Exception:  # noqa: BLE001 - the server is still starting
+        return []
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=100)
+    ap.add_argument("--serial", type=int, default=50)
+    ap.add_argument("--agents", type=int, default=4)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--podium", default=None, help="the podium executable to run (default: this checkout's)")
+    ap.add_argument("--label", default="", help="a name for this build in the output")
+    ap.add_argument("--json", action="store_true", help="one JSON line per mode")
+    a = ap.parse_args()
+    podium = [a.podium] if a.podium else [sys.executable, "-m", "podium"]
+    run = Run(podium, a.agents, a.slots)
+    out: list[dict] = []  # type: ignore[type-arg]
+    try:
+        b = run.start()
+        b.warm_up(10 * a.agents)
+        if a.tasks:
+            load0, before = load(), cpu_ticks(str(run.tmp))
+            r = b.burst(a.tasks, a.batch)
+            after = cpu_ticks(str(run.tmp))
+            hz = os.sysconf("SC_CLK_TCK")
+            r["cpu_ms_per_task"] = {k: round((after.get(k, 0) - before.get(k, 0)) * 1000 / hz / a.tasks, 2)
+                                    for k in sorted(after)}  # fmt: skip
+            r["cpu_ms_per_task"]["total"] = round(sum(r["cpu_ms_per_task"].values()), 2)
+            r["load"] = [load0, load()]
+            out.append(r)
+        if a.serial:
+            load0 = load()
+            r = b.serial(a.serial)
+            r["load"] = [load0, load()]
+            out.append(r)
+        b.close()
+    finally:
+        run.stop()
+    for r in out:
+        r["build"] = a.label or " ".join(podium)
+        r["agents"], r["slots"] = a.agents, a.slots
+        if a.json:
+            print(json.dumps(r), flush=True)
+        else:
+            print(summary(r), flush=True)
+
+
+def summary(r: dict) -> str:  # type: ignore[type-arg]
+    def pr(key: str) -> str:
+        v = r.get(key)
+        return f"{v['p50']} / {v['p99']} ms" if v else "-"
+
+    lines = [f"{r['build']} · {r['mode']} · {r['tasks']} tasks · {r['tasks_per_s']}/s · load {r['load'][0]} → {r['load'][1]}",
+             f"  submit → running p50/p99 {pr('submit_to_running_ms')}; → succeeded {pr('submit_to_succeeded_ms')}"]  # fmt: skip
+    if "submit_to_first_instruction_ms" in r:
+        lines.append(f"  submit → first instruction p50/p99 {pr('submit_to_first_instruction_ms')}")
+    if "cpu_ms_per_task" in r:
+        lines.append("  CPU ms per task: " + ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_task"].items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
