@@ -18,6 +18,7 @@ polled, and the report says so.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
