@@ -36,7 +36,8 @@ class Row:
         """From a record of any query that returns some of the row's columns (the rest keep their
         defaults); columns the row does not have are left out."""
         names = _names(cls)
-        return cls(**{k: record[k] for k in record if k in names})
+        # keys(), not the record itself: a driver record iterates over its values
+        return cls(**{k: record[k] for k in record.keys() if k in names})  # noqa: SIM118
 
 
 _NAMES: dict[type[Row], tuple[str, ...]] = {}
