@@ -36,8 +36,8 @@ PG15_URL = os.environ.get("PODIUM_TEST_PG15_URL", "postgresql://postgres@127.0.0
 TEMPLATE = f"podium_test_template_{os.getpid()}"
 
 
-# The suite runs on two pytest-xdist workers (scripts/test). Each worker is its own session, with its
-# own embedded PostgreSQL and its own template. Tests that use the container engine share one worker,
+# With PODIUM_TEST_WORKERS=N, scripts/test runs the suite on N pytest-xdist workers. Each worker is its
+# own session, with its own embedded PostgreSQL and its own template. Tests that use the container engine share one worker,
 # so the engine (a podman service and its test image) is started once; the tests that run three
 # replicas against PostgreSQL 15 share another, so two of them never hold more than its 100
 # connections between them.
