@@ -142,6 +142,15 @@ async def test_doubt_waits_a_disconnected_node_and_a_handover(store: Store) -> N
     await reconciler(store, "r").once()
     assert (await store.get_task(tid))["state"] == "running"
     assert (await attempt(store, tid))["last_reconcile_result"] == reasons.RECONCILED_HANDOVER
+    # the deadline just passed, but the watchdog has not dealt with the handover yet: still the
+    # handover's (its reason says the agent process was replaced), not a node that forgot its work
+    async with store.pool.acquire() as c:
+        await c.execute("UPDATE nodes SET handover_until = now() - interval '1 second', "
+                        "handover_tokens = ARRAY[$1::bigint] WHERE id = 'n1'", (await store.get_task(tid))["fencing_token"])  # fmt: skip
+    await make_due(store)
+    await reconciler(store, "r").once()
+    assert (await store.get_task(tid))["state"] == "running"
+    assert (await attempt(store, tid))["last_reconcile_result"] == reasons.RECONCILED_HANDOVER
 
 
 async def test_a_retry_records_its_place_in_the_budget(store: Store) -> None:
@@ -216,7 +225,7 @@ async def test_the_reservation_refuses_more_operations_than_the_node_allows(stor
     tid = await submit(store)
     out = await sched.store.dispatch(
         claim_limit=10, accept_seconds=15, lease_seconds=300, actor="stale",
-        decide=lambda tasks, nodes, horizon, ops: sched.decide(tasks, nodes, horizon, {}),
+        decide=lambda tasks, nodes, horizon, ops: sched.dispatcher.decide(tasks, nodes, horizon, {}),
     )  # fmt: skip
     assert out.assigned == [] and out.lost_races == 1
     assert (await store.get_task(tid))["state"] == "queued"

@@ -23,7 +23,9 @@ WITH due AS (
 SELECT c.*, t.state, t.fencing_token AS task_token, t.attempts, t.max_attempts, t.requeue_on_node_loss,
        t.timeout_seconds, t.cancel_reason,
        n.health, n.connected, n.revoked_at IS NOT NULL AS node_removed, n.materializations,
-       COALESCE(n.handover_until > now(), false) AS in_handover,
+       -- an attempt of a superseded instance stays the handover's until the watchdog has dealt with it
+       -- (its reason says the agent was replaced), even a moment after the deadline
+       COALESCE(n.handover_until > now(), false) OR c.fencing_token = ANY(n.handover_tokens) AS in_handover,
        COALESCE(c.provisioning_at < n.connected_at, false) AS before_hello,
        c.fencing_token = ANY(n.hello_tokens) AS in_hello
 FROM c JOIN tasks t ON t.id = c.task_id JOIN nodes n ON n.id = c.node_id
