@@ -128,7 +128,7 @@ async def test_a_retag_between_attempts_changes_nothing_that_runs(store: Store) 
     # the tag now points at another image; the first attempt is lost with its node
     registry.answers = [D2]
     row = await store.get_task(tid)
-    assert await scheduler(store).apply(tid, TaskState.ASSIGNED, policy.on_node_loss(facts(row), reasons.NODE_LOST),
+    assert await scheduler(store).applier.apply(tid, TaskState.ASSIGNED, policy.on_node_loss(facts(row), reasons.NODE_LOST),
                                         fencing_token=tok)  # fmt: skip
     assert await loop.resolve_once() == 0
     out = await scheduler(store).dispatch_once()

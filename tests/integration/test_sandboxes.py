@@ -136,7 +136,7 @@ async def _cancel(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
 
 async def _node_lost(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
     row = await store.get_task(tid)
-    assert await scheduler(store).apply(tid, S.RUNNING, policy.on_node_loss(facts(row), reasons.NODE_LOST), fencing_token=tok)
+    assert await scheduler(store).applier.apply(tid, S.RUNNING, policy.on_node_loss(facts(row), reasons.NODE_LOST), fencing_token=tok)
 
 
 async def _node_forgot(store: Store, tid: uuid.UUID, node: str, tok: int) -> None:
@@ -181,7 +181,7 @@ async def test_accept_deadline_and_success_classes(store: Store) -> None:
     late = await submit(store, max_attempts=1)
     node, tok = await placed(store, late)
     row = await store.get_task(late)
-    assert await scheduler(store).apply(late, S.ASSIGNED, policy.on_accept_overdue(facts(row)), fencing_token=tok)
+    assert await scheduler(store).applier.apply(late, S.ASSIGNED, policy.on_accept_overdue(facts(row)), fencing_token=tok)
     (a,) = await attempts(store, late)
     assert (a["state"], a["failure_class"], (await store.get_task(late))["reason"]) == ("revoked", "not_accepted", reasons.NOT_ACCEPTED)
 
@@ -353,7 +353,7 @@ async def test_a_node_that_never_got_the_attempt_proves_it_by_saying_so(store: S
     tid = await submit(store, container=True, max_attempts=1)
     node, tok = await placed(store, tid)
     row = await store.get_task(tid)
-    assert await scheduler(store).apply(tid, S.ASSIGNED, policy.on_accept_overdue(facts(row)), fencing_token=tok)
+    assert await scheduler(store).applier.apply(tid, S.ASSIGNED, policy.on_accept_overdue(facts(row)), fencing_token=tok)
     assert await slots(store, node) == 1 and await releasing(store, node) == 1
     assert await proof(store, tid, tok, node, "") == [(tid, tok, True)]
     assert await slots(store, node) == 0

@@ -28,11 +28,12 @@ CHUNK = 64 * 1024
 _PIDFD_WORKS: bool | None = None
 
 
-def _watch_exits_by_pidfd() -> None:
+def watch_exits_by_pidfd() -> None:
     """Learn of a task's exit from a pidfd on the agent's own loop. Python 3.11's default watcher
     starts a thread per child to wait for it (0.3-0.5 ms of CPU per task here); 3.12 and later use
-    pidfds by themselves. Attached to the running loop when it is not yet: a process may run several
-    loops in turn (tests do)."""
+    pidfds by themselves. The watcher is the process's, bound to one loop: only for a process that
+    runs one loop for its life (`podium agent` calls it once its loop runs). Installed anywhere else,
+    a later loop of that process (a library's, a test's) could start no subprocess at all."""
     global _PIDFD_WORKS
     if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
         return
@@ -73,7 +74,6 @@ class ProcessRun:
 
     async def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        _watch_exits_by_pidfd()
         self.proc = await asyncio.create_subprocess_exec(
             *self.command,
             cwd=str(self.workdir),
