@@ -32,6 +32,16 @@ AGENT = textwrap.dedent("""
 """)
 
 
+def _end(agent: subprocess.Popen[str], task: int) -> None:
+    """Whatever a test left running: the stand-in agent, and the task's group."""
+    agent.kill()
+    agent.wait(10)
+    assert agent.stdout is not None
+    agent.stdout.close()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(task, signal.SIGKILL)
+
+
 def _agent(node: str, how: str) -> tuple[subprocess.Popen[str], int, int]:
     p = subprocess.Popen([sys.executable, "-c", AGENT, node, how], stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None
@@ -70,12 +80,7 @@ def test_a_registered_task_dies_with_its_agent() -> None:
         agent.wait(10)
         wait_for(lambda: not pid_alive(task), 30, what="the keeper to kill the registered task")
     finally:
-        agent.kill()
-        agent.wait(10)
-        assert agent.stdout is not None
-        agent.stdout.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(task, signal.SIGKILL)
+        _end(agent, task)
 
 
 def test_a_keeper_closed_by_its_living_agent_leaves_the_agents_children_alone() -> None:
@@ -84,9 +89,4 @@ def test_a_keeper_closed_by_its_living_agent_leaves_the_agents_children_alone() 
         assert not pid_alive(keeper)  # close() waited for it
         assert pid_alive(task), "a clean close of the keeper killed a child of the living agent"
     finally:
-        agent.kill()
-        agent.wait(10)
-        assert agent.stdout is not None
-        agent.stdout.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(task, signal.SIGKILL)
+        _end(agent, task)
