@@ -120,3 +120,68 @@ async def test_output_stored_before_offsets_keeps_its_bytes_and_order_within_eac
             ("stderr", b"e1\n", 0), ("stdout", b"o1\n", 0), ("stderr", b"e2\n", 3), ("stdout", b"o2\n", 3)]  # fmt: skip
     finally:
         await store.close()
+
+
+class Heard:
+    """A LISTEN on podium_logs of its own, as a replica's event hub has."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.payloads: list[str] = []
+
+    async def __aenter__(self) -> Heard:
+        self.sub = await self.store.listen("podium_logs", self.payloads.append)
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.sub.close()
+
+    async def settled(self) -> list[str]:
+        """Every payload heard up to now: a marker NOTIFY sent after the writes arrives after theirs
+        (one session's notifications are delivered in commit order), so once it is heard all are."""
+        async with self.store.pool.acquire() as c:
+            await c.execute("SELECT pg_notify('podium_logs', 'marker')")
+        for _ in range(400):
+            if "marker" in self.payloads:
+                break
+            await asyncio.sleep(0.025)
+        assert "marker" in self.payloads, "the marker NOTIFY never arrived"
+        got = self.payloads[: self.payloads.index("marker")]
+        del self.payloads[: self.payloads.index("marker") + 1]
+        return got
+
+
+async def test_one_insert_notifies_each_task_written_once_and_a_resend_nobody(store: Store) -> None:
+    tid, token = await placed(store)
+    other = await submit(store)
+    out = await place(store)
+    other_token = next(tok for t, _n, tok in out.assigned if t == other)
+    chunks = [chunk(tid, token, seq, "stdout", seq, b"x") for seq in range(20)]
+    chunks += [chunk(other, other_token, seq, "stderr", seq, b"y") for seq in range(5)]
+    async with Heard(store) as heard:
+        await store.insert_logs(chunks)
+        payloads = await heard.settled()
+        # one NOTIFY for the statement, each task named once however many of its chunks it stored
+        assert len(payloads) == 1
+        assert sorted(payloads[0].split(",")) == sorted([str(tid), str(other)])
+        # sent again (no server acknowledged them): stored once already, nothing new, no wake
+        await store.insert_logs(chunks)
+        assert await heard.settled() == []
+        # refused (not that node's attempt): nothing stored, no wake
+        await store.insert_logs([(tid, token, "stdout", 99, 99, b"z", "n2")])
+        assert await heard.settled() == []
+
+
+async def test_an_insert_for_many_tasks_splits_its_notify_below_the_payload_limit(store: Store) -> None:
+    await add_node(store, slots=512, cpu=512_000, memory=512 * 2**30)
+    tids = [await submit(store) for _ in range(450)]
+    out = await place(store)
+    tokens = {t: tok for t, _n, tok in out.assigned}
+    assert set(tokens) == set(tids)
+    async with Heard(store) as heard:
+        await store.insert_logs([chunk(t, tokens[t], s, "stdout", s, b"x") for t in tids for s in range(2)])
+        payloads = await heard.settled()
+    assert len(payloads) == 3  # 200 + 200 + 50 ids
+    assert all(len(p.encode()) < 8000 for p in payloads)
+    named = [t for p in payloads for t in p.split(",")]
+    assert sorted(named) == sorted(str(t) for t in tids)

@@ -658,7 +658,8 @@ class Store:
 
     async def insert_logs(self, chunks: Sequence[tuple[uuid.UUID, int, str, int, int, bytes, str]]) -> None:
         """(task, fencing token, stream, seq, byte offset, data, node) chunks, from any nodes, in one
-        statement. Idempotent: a chunk stored before is left as it is."""
+        statement, with NOTIFY podium_logs naming the tasks given new chunks (their followers wake).
+        Idempotent: a chunk stored before is left as it is."""
         if not chunks:
             return
         cols = list(zip(*chunks, strict=True))

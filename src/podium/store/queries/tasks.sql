@@ -353,12 +353,22 @@ SELECT * FROM task_events WHERE task_id = $1 AND id > $2 ORDER BY id LIMIT $3
 -- attempt. A chunk stored already (a node sends again what no server acknowledged) is left as it is.
 -- Readers order by (fencing_token, seq), which the agent set; the join's row order (a hash join
 -- emits them reversed) and so `id` say nothing about it.
-INSERT INTO log_chunks (task_id, fencing_token, stream, seq, byte_offset, data)
-SELECT d.task_id, d.token, d.stream, d.seq, d.byte_offset, d.data
-FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::bigint[], $5::bigint[], $6::bytea[], $7::text[])
-     AS d(task_id, token, stream, seq, byte_offset, data, node_id)
-JOIN attempts a ON a.task_id = d.task_id AND a.fencing_token = d.token AND a.node_id = d.node_id
-ON CONFLICT DO NOTHING
+-- Followers of those tasks' output are woken by NOTIFY podium_logs (delivered at commit), its payload
+-- the ids of the tasks given new chunks, each once, comma-separated: one NOTIFY for the statement,
+-- not one per chunk, and one more per further 200 tasks (200 ids are 7,399 bytes; a payload must
+-- stay below 8,000). A chunk sent again and left as it was wakes no one.
+WITH stored AS (
+    INSERT INTO log_chunks (task_id, fencing_token, stream, seq, byte_offset, data)
+    SELECT d.task_id, d.token, d.stream, d.seq, d.byte_offset, d.data
+    FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::bigint[], $5::bigint[], $6::bytea[], $7::text[])
+         AS d(task_id, token, stream, seq, byte_offset, data, node_id)
+    JOIN attempts a ON a.task_id = d.task_id AND a.fencing_token = d.token AND a.node_id = d.node_id
+    ON CONFLICT DO NOTHING
+    RETURNING task_id
+), written AS (
+    SELECT task_id, (row_number() OVER () - 1) / 200 AS batch FROM (SELECT DISTINCT task_id FROM stored) t
+)
+SELECT pg_notify('podium_logs', string_agg(task_id::text, ',')) FROM written GROUP BY batch
 
 -- read_logs --
 -- A task's output in the order it was written: attempt after attempt, then the agent's seq (both
