@@ -11,6 +11,12 @@ Order and resumption: events are delivered in (txid, id) order, only once their 
 the snapshot's xmin (see migration 0010); the SSE id is the event row's id, and `Last-Event-ID` (or
 `?after=`) resumes after it: every missed event, in order, none twice, across server restarts.
 
+Log followers (the SSE log follow here, the NDJSON `?follow=1` in routes/logs.py) are woken, not
+polling: the hub's LISTEN connection also hears `podium_logs` (sent by the store's log insert, naming
+the tasks given new chunks) and the hub wakes exactly the followers of those tasks, and of every task
+whose event it reads (a state change, the end among them). A NOTIFY from any replica's gateway wakes
+the followers here: NOTIFY is database-wide.
+
 This module only reads: it must never change a task or a node.
 """
 
@@ -22,8 +28,9 @@ import bisect
 import contextlib
 import json
 import logging
+import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
@@ -39,6 +46,7 @@ from podium.store.ui import Cursor, UiStore
 log = logging.getLogger(__name__)
 
 CHANNEL = "podium_events"
+LOG_CHANNEL = "podium_logs"  # payload: ids of tasks given new log chunks, comma-separated
 KEEPALIVE = 15.0  # seconds between keep-alive comments on an idle stream
 SAFETY_POLL = 5.0  # the hub reads even without a NOTIFY this often (a lost listener, a missed wake)
 # While committed events wait behind an older open transaction (in any database of the cluster: the
@@ -48,7 +56,11 @@ HELD_POLL_MAX = 1.0
 BUFFER = 20_000  # events the hub keeps for clients that fall a little behind
 PAGE = 1000
 START_WAIT = 10.0  # seconds a new client waits for the hub's first read before a 503
-LOG_POLL = 0.2  # seconds between log reads while a task runs (log chunks send no NOTIFY)
+# A log follower reads again after this long even without a wake: a NOTIFY sent while the hub's
+# listener was reconnecting is lost (the reconnect wakes every follower, but a chunk can commit in
+# between). PODIUM_TEST_LOG_BACKSTOP sets it, so a test can show that the wake alone delivers.
+LOG_BACKSTOP = 5.0
+LOG_BACKSTOP_ENV = "PODIUM_TEST_LOG_BACKSTOP"
 
 _ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorOut} for c in (401, 403, 404, 422, 503)}
 
@@ -59,6 +71,43 @@ def _key(c: Cursor) -> tuple[int, int]:
 
 def cursor_of_row(r: Any, floor: int = 0) -> Cursor:
     return Cursor(int(r["txid"]), int(r["id"]), floor)
+
+
+def _log_backstop() -> float:
+    raw = os.environ.get(LOG_BACKSTOP_ENV, "")
+    if not raw:
+        return LOG_BACKSTOP
+    try:
+        value = float(raw)
+        if not value > 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{LOG_BACKSTOP_ENV}={raw!r} is not a number of seconds above 0; unset it for {LOG_BACKSTOP}") from None
+    return value
+
+
+class Wake:
+    """What one log follower waits on: set when its task may have new output or a new state."""
+
+    def __init__(self, backstop: float) -> None:
+        self._event = asyncio.Event()
+        self.backstop = backstop
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Until woken (True), or `timeout` (the backstop when None) has passed (False). Cleared on
+        return, before the caller reads: a chunk stored after that read's snapshot sets it again, so
+        no wake falls between a read and the next wait."""
+        limit = self.backstop if timeout is None else max(0.0, timeout)
+        try:
+            await asyncio.wait_for(self._event.wait(), limit)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._event.clear()
 
 
 class EventHub:
@@ -76,6 +125,9 @@ class EventHub:
         self.closed = False
         self.clients = 0
         self._held_delay = HELD_POLL
+        # task id (as PostgreSQL prints it, the NOTIFY's form) -> the wakes of its log followers
+        self._followers: dict[str, set[Wake]] = {}
+        self.log_backstop = _log_backstop()
 
     # ---- the one reader ------------------------------------------------------------------------
 
@@ -91,11 +143,42 @@ class EventHub:
         """End every stream (the server is stopping) and the reader."""
         self.closed = True
         self._changed.set()
+        self._wake_followers(None)
         if self._task is not None:
             self._task.cancel()
 
     def _notify(self, _payload: str) -> None:
         self._wake.set()
+
+    def _logs_written(self, payload: str) -> None:
+        if self._followers:
+            self._wake_followers(payload.split(","))
+
+    def _wake_followers(self, task_ids: list[str] | None) -> None:
+        """Wake the followers of these tasks (None: of every task)."""
+        if task_ids is None:
+            for wakes in self._followers.values():
+                for w in wakes:
+                    w.set()
+            return
+        for tid in task_ids:
+            for w in self._followers.get(tid, ()):
+                w.set()
+
+    @contextlib.contextmanager
+    def log_follower(self, task_id: uuid.UUID) -> Iterator[Wake]:
+        """A wake for one follower of `task_id`'s output, set by every chunk stored for the task and
+        every event of it the hub reads, on any replica, for as long as the `with` lasts."""
+        key = str(task_id)
+        wake = Wake(self.log_backstop)
+        wakes = self._followers.setdefault(key, set())
+        wakes.add(wake)
+        try:
+            yield wake
+        finally:
+            wakes.discard(wake)
+            if not wakes:
+                self._followers.pop(key, None)
 
     async def _run(self) -> None:
         conn: Subscription | None = None
@@ -103,8 +186,10 @@ class EventHub:
             while not self.closed:
                 try:
                     if conn is None or conn.is_closed():
-                        conn = await self.store.listen(CHANNEL, self._notify)
-                        self._wake.set()  # NOTIFYs sent while no one listened are gone: read now
+                        conn = await self.store.listen(CHANNEL, self._notify, also={LOG_CHANNEL: self._logs_written})
+                        # NOTIFYs sent while no one listened are gone: read now, and so do followers
+                        self._wake.set()
+                        self._wake_followers(None)
                     if self.start is None:
                         self.start = self.head = await self.ui.start_cursor()
                         self._started.set()
@@ -134,6 +219,8 @@ class EventHub:
                 self._keys.append(_key(c))
                 self._rows.append(r)
                 self.head = c
+            if self._followers:
+                self._wake_followers([str(r["task_id"]) for r in rows if r["kind"] == "task"])
             got = got or bool(rows)
             if len(rows) < PAGE:
                 break
@@ -298,7 +385,8 @@ async def log_stream(store: Store, hub: EventHub, task_id: uuid.UUID, after: int
     """Log chunks of a task as SSE, in the order they were written, then one end event once the task
     has ended and a read after that found nothing new. Each event's id is its chunk's id, so
     Last-Event-ID resumes; the read itself goes by position (fencing token, seq, stream), never by
-    id: ids are handed out in whatever order an insert's plan produces, not in the order written."""
+    id: ids are handed out in whatever order an insert's plan produces, not in the order written.
+    Between reads it waits for the hub's wake (a chunk stored, an event of the task), not a timer."""
     yield b"retry: 1000\n\n"
     position: tuple[int, int, str] | None = None
     if after:
@@ -309,35 +397,45 @@ async def log_stream(store: Store, hub: EventHub, task_id: uuid.UUID, after: int
         if position is None:
             yield sse("error", json.dumps({"error": f"chunk {after} is no chunk of this task; resume with an id this stream sent"}), None)
             return
-    idle = 0.0
-    while not hub.closed:
-        try:
-            task = await store.get_task(task_id)
-            rows = await store.read_logs(task_id, after=position, limit=1000)
-        except StoreUnavailable:
-            await asyncio.sleep(1)
-            continue
-        for r in rows:
-            position = (r["fencing_token"], r["seq"], r["stream"])
-            yield render(r)
-        if rows:
-            idle = 0.0
-            continue
-        if TaskState(task["state"]) in TERMINAL:
-            # the gateway stores an attempt's output before its end: one more read closes the gap
-            rows = await store.read_logs(task_id, after=position, limit=1000)
+    # the hub's LISTEN must be up before the first read, or a chunk stored between the two wakes no
+    # one; a hub that cannot start yet leaves this follower to its backstop reads
+    with contextlib.suppress(StoreUnavailable):
+        await hub.ensure_started()
+    clock = asyncio.get_running_loop().time
+    with hub.log_follower(task_id) as wake:
+        quiet_since = clock()
+        while not hub.closed:
+            try:
+                task = await store.get_task(task_id)
+                rows = await store.read_logs(task_id, after=position, limit=1000)
+            except StoreUnavailable:
+                await asyncio.sleep(1)
+                continue
             for r in rows:
                 position = (r["fencing_token"], r["seq"], r["stream"])
                 yield render(r)
-            if not rows:
-                yield end(task)
-                return
-            continue
-        await asyncio.sleep(LOG_POLL)
-        idle += LOG_POLL
-        if idle >= KEEPALIVE:
-            idle = 0.0
-            yield KEEPALIVE_BYTES
+            if rows:
+                quiet_since = clock()
+                continue
+            if TaskState(task["state"]) in TERMINAL:
+                # the gateway stores an attempt's output before its end: one more read closes the gap
+                try:
+                    rows = await store.read_logs(task_id, after=position, limit=1000)
+                except StoreUnavailable:
+                    await asyncio.sleep(1)
+                    continue
+                for r in rows:
+                    position = (r["fencing_token"], r["seq"], r["stream"])
+                    yield render(r)
+                if not rows:
+                    yield end(task)
+                    return
+                continue
+            # keep-alives while waiting do not read: only a wake or the backstop does
+            backstop = clock() + wake.backstop
+            while not await wake.wait(min(backstop, quiet_since + KEEPALIVE) - clock()) and clock() < backstop:
+                quiet_since = clock()
+                yield KEEPALIVE_BYTES
 
 
 def router() -> APIRouter:
@@ -391,6 +489,8 @@ def router() -> APIRouter:
         store: Store = app.state.store
         await store.get_task(tid)
         start = _after(last_event_id, after)
+        hub: EventHub = app.state.event_hub
+        await hub.ensure_started()  # here, so a database not reachable yet is a 503, not a cut stream
 
         def chunk(row: Any) -> bytes:
             raw = bytes(row["data"])
@@ -402,7 +502,7 @@ def router() -> APIRouter:
             return sse("end", json.dumps({"state": task["state"], "exit_code": task["exit_code"], "reason": task["reason"]}))
 
         return StreamingResponse(
-            log_stream(store, app.state.event_hub, tid, start, chunk, end), media_type="text/event-stream", headers=SSE_HEADERS
+            log_stream(store, hub, tid, start, chunk, end), media_type="text/event-stream", headers=SSE_HEADERS
         )
 
     return r

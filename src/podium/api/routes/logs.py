@@ -1,6 +1,7 @@
 """A task's output: `GET /v1/tasks/{id}/logs`, a page at a time or followed (NDJSON) until the task
 ends. Reads go by position (fencing token, seq, stream), so a reader resuming from a cursor gets
-every byte after it, in order, none twice. This router only reads."""
+every byte after it, in order, none twice. A follower reads again when the event hub wakes it (a
+chunk of the task stored, an event of it), never on a timer of its own. This router only reads."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from podium.api.deps import StoreDep, Viewer, task_ref
+from podium.api.events import EventHub
 from podium.api.models import LogChunkOut, LogsOut
 from podium.api.paging import ERRORS
 from podium.errors import InvalidRequest, StoreUnavailable
@@ -24,7 +26,6 @@ from podium.store import Store
 
 router = APIRouter()
 
-FOLLOW_POLL = 0.1  # seconds between reads while following logs
 BIGINT_MAX = 2**63 - 1
 _CURSOR = re.compile(r"^(\d{1,19})\.(\d{1,19})\.(stdout|stderr)$")
 
@@ -72,35 +73,39 @@ class _LogRead:
         )  # fmt: skip
 
 
-async def _follow(store: Store, read: _LogRead) -> AsyncIterator[bytes]:
+async def _follow(store: Store, hub: EventHub, read: _LogRead) -> AsyncIterator[bytes]:
     """NDJSON: {"chunk": …} lines as output arrives, then one {"end": {state, exit_code, reason}}.
     The end is sent only after a read following the terminal state found nothing new, so no output
-    written before the end is missed."""
-    while True:
-        try:
-            task = await store.get_task(read.tid)
-            rows = await read.page(store, 1000)
-        except StoreUnavailable:
-            await asyncio.sleep(1)
-            continue
-        for r in rows:
-            yield (json.dumps({"chunk": read.chunk(r).model_dump()}) + "\n").encode()
-        if not rows and TaskState(task["state"]) in TERMINAL:
-            # the gateway stores an attempt's output before its end; one more read closes the gap
-            # between the two reads above
+    written before the end is missed. A stream the server ends without an end line (it is stopping)
+    is resumed from the last chunk's cursor."""
+    with hub.log_follower(read.tid) as wake:
+        while not hub.closed:
             try:
+                task = await store.get_task(read.tid)
                 rows = await read.page(store, 1000)
             except StoreUnavailable:
                 await asyncio.sleep(1)
                 continue
             for r in rows:
                 yield (json.dumps({"chunk": read.chunk(r).model_dump()}) + "\n").encode()
-            if not rows:
-                end = {"state": task["state"], "exit_code": task["exit_code"], "reason": task["reason"]}
-                yield (json.dumps({"end": end}) + "\n").encode()
-                return
-        elif not rows:
-            await asyncio.sleep(FOLLOW_POLL)
+            if rows:
+                continue
+            if TaskState(task["state"]) in TERMINAL:
+                # the gateway stores an attempt's output before its end; one more read closes the gap
+                # between the two reads above
+                try:
+                    rows = await read.page(store, 1000)
+                except StoreUnavailable:
+                    await asyncio.sleep(1)
+                    continue
+                for r in rows:
+                    yield (json.dumps({"chunk": read.chunk(r).model_dump()}) + "\n").encode()
+                if not rows:
+                    end = {"state": task["state"], "exit_code": task["exit_code"], "reason": task["reason"]}
+                    yield (json.dumps({"end": end}) + "\n").encode()
+                    return
+                continue
+            await wake.wait()
 
 
 @router.get("/v1/tasks/{task_id}/logs", response_model=LogsOut, responses=ERRORS)
@@ -108,6 +113,7 @@ async def logs(
     task_id: str,
     _who: Viewer,
     store: StoreDep,
+    request: Request,
     after: Annotated[int, Query(ge=0, le=BIGINT_MAX, description="return what comes after the chunk with this id")] = 0,
     cursor: Annotated[str | None, Query(max_length=64, description="return what comes after the chunk with this cursor")] = None,
     stream: Annotated[Literal["stdout", "stderr"] | None, Query(description="only this stream")] = None,
@@ -147,4 +153,8 @@ async def logs(
             task_state=task["state"],
             terminal=TaskState(task["state"]) in TERMINAL,
         )
-    return StreamingResponse(_follow(store, read), media_type="application/x-ndjson")
+    hub: EventHub = request.app.state.event_hub
+    # the hub's LISTEN is up before the first read, or a chunk stored between the two would wake no
+    # one; a database not reachable yet is a 503 here, not a cut stream
+    await hub.ensure_started()
+    return StreamingResponse(_follow(store, hub, read), media_type="application/x-ndjson")
