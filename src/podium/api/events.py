@@ -100,14 +100,13 @@ class Wake:
         """Until woken (True), or `timeout` (the backstop when None) has passed (False). Cleared on
         return, before the caller reads: a chunk stored after that read's snapshot sets it again, so
         no wake falls between a read and the next wait."""
-        limit = self.backstop if timeout is None else max(0.0, timeout)
-        try:
-            await asyncio.wait_for(self._event.wait(), limit)
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            self._event.clear()
+        if not self._event.is_set():  # (wait_for with no time left gives up before looking)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), self.backstop if timeout is None else max(0.0, timeout))
+        # a wake at the very moment the time ran out still counts
+        woke = self._event.is_set()
+        self._event.clear()
+        return woke
 
 
 class EventHub:
