@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
 from podium.api.deps import StoreDep, Viewer, task_ref
@@ -25,6 +25,13 @@ from podium.states import TERMINAL, TaskState
 from podium.store import Store
 
 router = APIRouter()
+
+
+def _event_hub(request: Request) -> EventHub:
+    return request.app.state.event_hub
+
+
+EventHubDep = Annotated[EventHub, Depends(_event_hub)]
 
 BIGINT_MAX = 2**63 - 1
 _CURSOR = re.compile(r"^(\d{1,19})\.(\d{1,19})\.(stdout|stderr)$")
@@ -113,7 +120,7 @@ async def logs(
     task_id: str,
     _who: Viewer,
     store: StoreDep,
-    request: Request,
+    hub: EventHubDep,
     after: Annotated[int, Query(ge=0, le=BIGINT_MAX, description="return what comes after the chunk with this id")] = 0,
     cursor: Annotated[str | None, Query(max_length=64, description="return what comes after the chunk with this cursor")] = None,
     stream: Annotated[Literal["stdout", "stderr"] | None, Query(description="only this stream")] = None,
@@ -153,7 +160,6 @@ async def logs(
             task_state=task["state"],
             terminal=TaskState(task["state"]) in TERMINAL,
         )
-    hub: EventHub = request.app.state.event_hub
     # the hub's LISTEN is up before the first read, or a chunk stored between the two would wake no
     # one; a database not reachable yet is a 503 here, not a cut stream
     await hub.ensure_started()
