@@ -4,11 +4,15 @@ queue for one write, and what the gateway writes to agents that read batches and
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from pathlib import Path
 
+from podium.agent.agent import Agent, AgentConfig
 from podium.gateway.service import write_out
 from podium.gateway.sessions import Session
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.protocol import BATCH_MAX_BYTES, BATCH_MAX_MESSAGES, take_batch
+from podium.timing import DEFAULT_TIMING
 
 
 def _queue(*items: object) -> asyncio.Queue[object]:
@@ -74,3 +78,64 @@ async def test_an_agent_that_does_not_say_it_reads_batches_gets_every_message_on
     out = await _written(batches=False)
     assert [m.WhichOneof("kind") for m in out] == ["welcome", "ack", "ack", "ack"]
     assert list(out[1:]) == [_ack(0), _ack(1), _ack(2)]
+
+
+# ---- the agent's side -----------------------------------------------------------------------------
+
+
+class _Call:
+    """A stream's write side: records what is written; `fail_at` makes that write (1-based) fail."""
+
+    def __init__(self, fail_at: int = 0) -> None:
+        self.written: list[pb.AgentMessage] = []
+        self.fail_at = fail_at
+
+    async def write(self, msg: pb.AgentMessage) -> None:
+        if len(self.written) + 1 == self.fail_at:
+            raise asyncio.InvalidStateError("the stream is gone")
+        self.written.append(msg)
+
+
+def _agent(tmp_path: Path) -> Agent:
+    cfg = AgentConfig(servers=["127.0.0.1:1"], state_dir=tmp_path / "state", name="n1")
+    return Agent(cfg, "node-1", DEFAULT_TIMING)
+
+
+def _beat(seq: int) -> pb.AgentMessage:
+    return pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq))
+
+
+async def _write_until_drained(agent: Agent, call: _Call, q: asyncio.Queue[pb.AgentMessage], batches: bool) -> None:
+    writer = asyncio.get_running_loop().create_task(agent._write(call, q, batches))  # type: ignore[arg-type]
+    while not q.empty() and not writer.done():
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    writer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await writer
+
+
+async def test_an_agent_writes_what_is_queued_in_one_batch_to_a_server_that_takes_them(tmp_path: Path) -> None:
+    agent, call = _agent(tmp_path), _Call()
+    await _write_until_drained(agent, call, _queue(_beat(1), _beat(2), _beat(3)), batches=True)  # type: ignore[arg-type]
+    assert [m.WhichOneof("kind") for m in call.written] == ["batch"]
+    assert list(call.written[0].batch.messages) == [_beat(1), _beat(2), _beat(3)]
+
+
+async def test_an_agent_writes_one_message_at_a_time_to_a_server_that_does_not_say_it_takes_batches(tmp_path: Path) -> None:
+    agent, call = _agent(tmp_path), _Call()
+    await _write_until_drained(agent, call, _queue(_beat(1), _beat(2), _beat(3)), batches=False)  # type: ignore[arg-type]
+    assert call.written == [_beat(1), _beat(2), _beat(3)]
+
+
+async def test_a_message_taken_but_not_written_waits_for_the_next_stream_ahead_of_the_rest(tmp_path: Path) -> None:
+    agent, call = _agent(tmp_path), _Call(fail_at=1)
+    big = [pb.AgentMessage(log=pb.LogChunk(task_id="t", fencing_token=1, stream="stdout", seq=n, data=b"x" * (BATCH_MAX_BYTES // 2 + 1)))
+           for n in range(2)]  # fmt: skip
+    q = _queue(big[0], big[1], _beat(1))
+    await _write_until_drained(agent, call, q, batches=True)  # type: ignore[arg-type]
+    # the first write (big[0] alone: big[1] would pass the byte limit) failed: big[1], already
+    # taken from the queue, is kept for the next stream, and the heartbeat after it is still queued
+    assert call.written == []
+    assert list(agent._buffer) == [big[1]]
+    assert q.get_nowait() == _beat(1)
