@@ -18,10 +18,11 @@ class ProtocolNode:
     def __init__(self, gateway: str, node_id: str, credential: str, *, backends: tuple[str, ...] = ("process",),
                  slots: int = 4, name: str | None = None, egress_contexts: tuple[str, ...] = (),
                  enforces_limits: bool = False, artifacts: tuple[str, ...] = (),
-                 heartbeat: float | None = None) -> None:  # fmt: skip
+                 heartbeat: float | None = None, batches: bool = False) -> None:  # fmt: skip
         self.node_id = node_id
         self._out: queue.Queue[pb.AgentMessage | None] = queue.Queue()
         self.received: queue.Queue[pb.ServerMessage] = queue.Queue()
+        self.batches_received = 0  # ServerBatch writes (their messages are in `received`, in order)
         self.error: grpc.RpcError | None = None
         self._channel = grpc.insecure_channel(gateway)
         stub = pb_grpc.AgentGatewayStub(self._channel)
@@ -29,7 +30,7 @@ class ProtocolNode:
             node_id=node_id, name=name or node_id, credential=credential, backends=list(backends),
             capacity=pb.Resources(cpu_millis=4000, memory_bytes=8 * 2**30, disk_bytes=2**34, slots=slots),
             protocol_min=1, protocol_max=1, egress_contexts=list(egress_contexts), enforces_limits=enforces_limits,
-            artifacts=list(artifacts), max_operations=slots,
+            artifacts=list(artifacts), max_operations=slots, batches=batches,
         )  # fmt: skip
         self._out.put(pb.AgentMessage(hello=hello))
         self._call = stub.Connect(self._requests())
@@ -56,7 +57,12 @@ class ProtocolNode:
     def _read(self) -> None:
         try:
             for msg in self._call:
-                self.received.put(msg)
+                if msg.WhichOneof("kind") == "batch":
+                    self.batches_received += 1
+                    for m in msg.batch.messages:
+                        self.received.put(m)
+                else:
+                    self.received.put(msg)
         except grpc.RpcError as e:
             self.error = e
 

@@ -7,7 +7,13 @@ each side maps the names to its own representation).
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
 from podium.timing import Timing
+
+M = TypeVar("M")
 
 #: The agent protocol versions this build speaks, both as a server and as an agent.
 PROTOCOL_MIN = 1
@@ -23,6 +29,30 @@ NOT_RUNNING = "NOT_RUNNING"
 #: The reports that end an attempt on the node: the agent keeps each until the server acknowledges
 #: it (re-sending it on every reconnect), and the server stores the attempt's output before it.
 FINAL_KINDS = frozenset({EXITED, FAILED_RETRYABLE, NOT_RUNNING})
+
+
+#: A batch (AgentBatch, ServerBatch) holds at most this many messages, and stops growing once the
+#: next message would take it past this many bytes: far below gRPC's 4 MiB message limit, which a
+#: single message of its own (a 64 KiB log chunk, an Assign) never comes near.
+BATCH_MAX_MESSAGES = 256
+BATCH_MAX_BYTES = 1 << 20
+
+
+def take_batch(queue: asyncio.Queue[M | None], first: M, size: Callable[[M], int]) -> tuple[list[M], M | None, bool]:
+    """`first` and whatever else a stream's writer finds queued right now, in order, within the batch
+    limits: (the batch, a message taken that did not fit — to be written next, None if none, whether
+    the queue's end (None) was taken). Never waits: a writer that finds one message writes one."""
+    batch, total = [first], size(first)
+    while len(batch) < BATCH_MAX_MESSAGES and not queue.empty():
+        msg = queue.get_nowait()
+        if msg is None:
+            return batch, None, True
+        n = size(msg)
+        if total + n > BATCH_MAX_BYTES:
+            return batch, msg, False
+        batch.append(msg)
+        total += n
+    return batch, None, False
 
 
 def fence_after(timing: Timing) -> float:

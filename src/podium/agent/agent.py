@@ -46,7 +46,7 @@ from podium.agent.backends.process import ProcessBackend
 from podium.agent.fence import LEASE_EXPIRED, FenceKeeper
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
-from podium.protocol import FINAL_KINDS, PROTOCOL_MAX, PROTOCOL_MIN, fence_after
+from podium.protocol import FINAL_KINDS, PROTOCOL_MAX, PROTOCOL_MIN, fence_after, take_batch
 from podium.security.masking import Masker
 from podium.security.secretbox import write_private
 from podium.timing import Timing
@@ -399,7 +399,7 @@ class Agent:
             instance_id=self.instance_id, max_operations=c.max_operations or c.slots,
             materializations=materialize.snapshots(self.fingerprints, c.arch),
             tasks=[pb.RunningTask(task_id=a.task_id, fencing_token=a.token, phase=a.phase)
-                   for a in self.attempts.values()],
+                   for a in self.attempts.values()], batches=True,
         ))  # fmt: skip
 
     async def _session(self, server: str) -> None:
@@ -452,7 +452,7 @@ class Agent:
                     outq.put_nowait(msg)
                 self._outq = outq
                 self.connected.set()
-                writer = asyncio.get_running_loop().create_task(self._write(call, outq), name="agent.write")
+                writer = asyncio.get_running_loop().create_task(self._write(call, outq, w.batches), name="agent.write")
                 beat = asyncio.get_running_loop().create_task(self._heartbeats(outq), name="agent.heartbeat")
                 # A healthy server acks a heartbeat at least every quarter of the lease; one silent
                 # for half of it is stuck (paused, partitioned): try the next server.
@@ -476,16 +476,29 @@ class Agent:
                 while not outq.empty():
                     self._buffer.append(outq.get_nowait())
 
-    async def _write(self, call: grpc.aio.StreamStreamCall, outq: asyncio.Queue[pb.AgentMessage]) -> None:
-        """Hand the stream's messages to gRPC in order. A failed write ends the stream's writing; the
-        reader sees the stream end and the session reconnects."""
-        while True:
-            msg = await outq.get()
-            try:
-                await call.write(msg)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
-                log.debug("stream write failed: %s", e)
-                return
+    async def _write(self, call: grpc.aio.StreamStreamCall, outq: asyncio.Queue[pb.AgentMessage], batches: bool = False) -> None:
+        """Hand the stream's messages to gRPC in order. To a server that takes batches (its Welcome
+        said so), everything queued at the moment of a write goes in that one write: the reports of
+        the attempts that changed in one loop turn, an end with the output before it. A failed write
+        ends the stream's writing; the reader sees the stream end and the session reconnects."""
+        carry: pb.AgentMessage | None = None
+        try:
+            while True:
+                msg, carry = (carry, None) if carry is not None else (await outq.get(), None)
+                out = msg
+                if batches:
+                    batch, carry, _ended = take_batch(outq, msg, pb.AgentMessage.ByteSize)  # type: ignore[arg-type]
+                    out = batch[0] if len(batch) == 1 else pb.AgentMessage(batch=pb.AgentBatch(messages=batch))
+                try:
+                    await call.write(out)
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+                    log.debug("stream write failed: %s", e)
+                    return
+        finally:
+            # taken from the queue but not written: it waits for the next stream ahead of what is
+            # still queued (the session moves that to the buffer after this task has ended)
+            if carry is not None:
+                self._buffer.append(carry)
 
     def _superseded(self, note: pb.Superseded) -> None:
         """Another process presents this node's identity now: stop every attempt at once (the server
@@ -510,7 +523,14 @@ class Agent:
 
     def _on_message(self, msg: pb.ServerMessage) -> None:
         kind = msg.WhichOneof("kind")
-        if kind == "assign":
+        if kind == "batch":
+            # in the order the server wrote them, exactly as if each had come on its own
+            for m in msg.batch.messages:
+                if m.WhichOneof("kind") in ("batch", "welcome"):
+                    log.warning("the server sent a %s inside a batch; ignored", m.WhichOneof("kind"))
+                    continue
+                self._on_message(m)
+        elif kind == "assign":
             self._on_assign(msg.assign)
         elif kind == "cancel":
             self._on_cancel(msg.cancel)

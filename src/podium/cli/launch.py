@@ -61,7 +61,7 @@ def server(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a server. With PODIUM_DATABASE_URL it uses that PostgreSQL; without, an embedded one."""
-    from podium.server import PodiumServer, ServerConfig, install_signal_handlers
+    from podium.server import PodiumServer, ServerConfig, install_signal_handlers, run_server_loop
 
     if placement not in ("spread", "binpack"):
         raise CliError(f"--placement must be spread or binpack, not {placement!r}")
@@ -90,7 +90,7 @@ def server(
         install_signal_handlers(srv)
         await srv.run()
 
-    asyncio.run(main())
+    run_server_loop(main())
 
 
 @app.command()
@@ -218,7 +218,7 @@ def dev(
 ) -> None:
     """Everything on this machine in one command: embedded PostgreSQL, a server and one local agent."""
     from podium import lockfile
-    from podium.server import PodiumServer, ServerConfig, install_signal_handlers
+    from podium.server import PodiumServer, ServerConfig, install_signal_handlers, run_server_loop
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ddir = data_dir or default_data_dir()
@@ -283,7 +283,7 @@ def dev(
             except subprocess.TimeoutExpired:
                 agent_proc.kill()
 
-    asyncio.run(main())
+    run_server_loop(main())
 
 
 def _die_with_parent(parent: int) -> Any:

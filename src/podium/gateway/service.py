@@ -31,7 +31,7 @@ from podium.gateway.sessions import Reconciler, Session, Sessions, check_hello, 
 from podium.gateway.snapshots import check_materializations, hello_facts, revalidate
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
-from podium.protocol import fence_after, handover_after
+from podium.protocol import fence_after, handover_after, take_batch
 from podium.scheduler.apply import Applier
 from podium.security.service import Security
 from podium.store import Store
@@ -163,25 +163,21 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 old.close()
         if decided.superseded is not None:
             log.warning("node %s: agent instance %s supersedes instance %s", hello.node_id, hello.instance_id, decided.superseded)
-        s = Session(hello.node_id, row["session"], instance_id=hello.instance_id)
+        s = Session(hello.node_id, row["session"], instance_id=hello.instance_id, batches=hello.batches)
         self.sessions[hello.node_id] = s
         metrics.CONNECTED_NODES.set(len(self.sessions))
         log.info("node %s (%s) connected, session %d", hello.name, hello.node_id, s.session)
         s.send(pb.ServerMessage(welcome=pb.Welcome(
             node_id=hello.node_id, server_id=self.server_id, heartbeat_seconds=self.timing.heartbeat,
             kill_grace_seconds=self.timing.kill_grace, fence_after_seconds=self.fence_after,
-            node_credential=issued or "",
+            node_credential=issued or "", batches=True,
         )))  # fmt: skip
         if row["draining"]:
             s.send(pb.ServerMessage(drain=pb.Drain(draining=True)))
 
         reader = asyncio.get_running_loop().create_task(self._read(s, hello, context), name=f"gateway.read.{hello.node_id}")
         try:
-            while True:
-                msg = await s.out.get()
-                if msg is None:
-                    break
-                await context.write(msg)
+            await write_out(s, context.write)
             if s.revoked:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this node was removed from the fleet")
         finally:
@@ -203,34 +199,15 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 msg = await context.read()
                 if msg is grpc.aio.EOF:
                     break
-                kind = msg.WhichOneof("kind")
-                if kind == "heartbeat":
-                    self.heartbeats.heard(s.node_id, s.session, msg.heartbeat.seq)
-                elif kind == "event":
-                    await self.reports.enqueue(s, msg.event)
-                    if msg.event.kind == pb.TaskEvent.NOT_RUNNING:
-                        # "no such attempt here" also proves that no sandbox of it exists here: it
-                        # releases a container attempt that never reported one (revoked before it
-                        # started) — never one that did, whose proof must name the container
-                        self.proofs.add(s, pb.ReleaseProof(task_id=msg.event.task_id, fencing_token=msg.event.fencing_token,
-                                                           released_at=time.time()))  # fmt: skip
-                elif kind == "log":
-                    lc = msg.log
-                    try:
-                        tid = uuid.UUID(lc.task_id)
-                    except ValueError:
-                        continue
-                    if lc.stream not in ("stdout", "stderr") or lc.seq < 0 or lc.offset < 0:
-                        # the table refuses it, and with it the whole flush of every node's output
-                        log.warning("node %s sent a malformed log chunk for task %s; dropped", s.node_id, tid)
-                        continue
-                    self.logs.add(s.node_id, (tid, lc.fencing_token, lc.stream, lc.seq, lc.offset, lc.data))
-                elif kind == "released":
-                    self.proofs.add(s, msg.released)
-                elif kind == "inventory":
-                    await self._persist(s, functools.partial(self._inventory, s, list(msg.inventory.artifacts)))
-                elif kind == "hello":
-                    log.warning("node %s sent a second Hello; ignored", s.node_id)
+                if msg.WhichOneof("kind") == "batch":
+                    # in the order the node wrote them, exactly as if each had come on its own
+                    for m in msg.batch.messages:
+                        if m.WhichOneof("kind") in ("batch", "hello"):
+                            log.warning("node %s sent a %s inside a batch; ignored", s.node_id, m.WhichOneof("kind"))
+                            continue
+                        await self._handle(s, m)
+                else:
+                    await self._handle(s, msg)
         except StoreUnavailable as e:
             log.warning("node %s: %s; closing its stream so it reconnects", s.node_id, e)
         except asyncio.CancelledError:
@@ -240,6 +217,36 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         finally:
             s.close()
             self.reports.drop(s)
+
+    async def _handle(self, s: Session, msg: pb.AgentMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "heartbeat":
+            self.heartbeats.heard(s.node_id, s.session, msg.heartbeat.seq)
+        elif kind == "event":
+            await self.reports.enqueue(s, msg.event)
+            if msg.event.kind == pb.TaskEvent.NOT_RUNNING:
+                # "no such attempt here" also proves that no sandbox of it exists here: it
+                # releases a container attempt that never reported one (revoked before it
+                # started) — never one that did, whose proof must name the container
+                self.proofs.add(s, pb.ReleaseProof(task_id=msg.event.task_id, fencing_token=msg.event.fencing_token,
+                                                   released_at=time.time()))  # fmt: skip
+        elif kind == "log":
+            lc = msg.log
+            try:
+                tid = uuid.UUID(lc.task_id)
+            except ValueError:
+                return
+            if lc.stream not in ("stdout", "stderr") or lc.seq < 0 or lc.offset < 0:
+                # the table refuses it, and with it the whole flush of every node's output
+                log.warning("node %s sent a malformed log chunk for task %s; dropped", s.node_id, tid)
+                return
+            self.logs.add(s.node_id, (tid, lc.fencing_token, lc.stream, lc.seq, lc.offset, lc.data))
+        elif kind == "released":
+            self.proofs.add(s, msg.released)
+        elif kind == "inventory":
+            await self._persist(s, functools.partial(self._inventory, s, list(msg.inventory.artifacts)))
+        elif kind == "hello":
+            log.warning("node %s sent a second Hello; ignored", s.node_id)
 
     async def _persist(self, s: Session, op: Callable[[], Awaitable[None]]) -> None:
         """Run a store operation for a node, riding out a database blip without dropping the node's
@@ -260,3 +267,24 @@ class Gateway(pb_grpc.AgentGatewayServicer):
     async def _inventory(self, s: Session, artifacts: list[str]) -> None:
         """The image digests a node holds changed: placement prefers it for tasks pinned to them."""
         await self.store.set_artifacts(s.node_id, s.session, artifacts[:MAX_ARTIFACTS])
+
+
+async def write_out(s: Session, write: Callable[[pb.ServerMessage], Awaitable[None]]) -> None:
+    """Write what a stream's queue holds until its end (None). To an agent that reads batches (its
+    Hello said so), everything queued at the moment of a write goes in that one write (a group
+    commit's Accepteds and Acks, an outbox take's Assigns): one write and one read per side instead
+    of one each per message. The Welcome goes first and alone: an agent reads it before anything else."""
+    batches = False
+    carry: pb.ServerMessage | None = None
+    while True:
+        msg, carry = (carry, None) if carry is not None else (await s.out.get(), None)
+        if msg is None:
+            return
+        if not batches:
+            await write(msg)
+            batches = s.batches
+            continue
+        batch, carry, ended = take_batch(s.out, msg, pb.ServerMessage.ByteSize)
+        await write(batch[0] if len(batch) == 1 else pb.ServerMessage(batch=pb.ServerBatch(messages=batch)))
+        if ended:
+            return

@@ -52,6 +52,7 @@ class Session:
     events: deque[Pending] = field(default_factory=deque)  # reports in arrival order, not yet applied
     room: asyncio.Event = field(default_factory=asyncio.Event)  # set while the backlog is below the limit
     instance_id: str = ""  # the agent process on the other end ("" from an agent too old to say)
+    batches: bool = False  # the agent reads ServerBatch (its Hello said so); an older one is sent one by one
 
     def send(self, msg: pb.ServerMessage) -> None:
         self.out.put_nowait(msg)

@@ -8,20 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "event", "log", "released", "inventory")
+    __slots__ = ("hello", "heartbeat", "event", "log", "released", "inventory", "batch")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     LOG_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     event: TaskEvent
     log: LogChunk
     released: ReleaseProof
     inventory: Inventory
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., event: _Optional[_Union[TaskEvent, _Mapping]] = ..., log: _Optional[_Union[LogChunk, _Mapping]] = ..., released: _Optional[_Union[ReleaseProof, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ...) -> None: ...
+    batch: AgentBatch
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., event: _Optional[_Union[TaskEvent, _Mapping]] = ..., log: _Optional[_Union[LogChunk, _Mapping]] = ..., released: _Optional[_Union[ReleaseProof, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., batch: _Optional[_Union[AgentBatch, _Mapping]] = ...) -> None: ...
+
+class AgentBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[AgentMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[AgentMessage, _Mapping]]] = ...) -> None: ...
 
 class Resources(_message.Message):
     __slots__ = ("cpu_millis", "memory_bytes", "disk_bytes", "gpus", "slots")
@@ -48,7 +56,7 @@ class RunningTask(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node_id", "name", "credential", "labels", "capacity", "backends", "pool", "arch", "capabilities", "artifacts", "protocol_min", "protocol_max", "tasks", "gpu_indexes", "agent_version", "instance_id", "egress_contexts", "enforces_limits", "max_operations", "materializations")
+    __slots__ = ("node_id", "name", "credential", "labels", "capacity", "backends", "pool", "arch", "capabilities", "artifacts", "protocol_min", "protocol_max", "tasks", "gpu_indexes", "agent_version", "instance_id", "egress_contexts", "enforces_limits", "max_operations", "materializations", "batches")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +84,7 @@ class Hello(_message.Message):
     ENFORCES_LIMITS_FIELD_NUMBER: _ClassVar[int]
     MAX_OPERATIONS_FIELD_NUMBER: _ClassVar[int]
     MATERIALIZATIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     credential: str
@@ -96,7 +105,8 @@ class Hello(_message.Message):
     enforces_limits: bool
     max_operations: int
     materializations: _containers.RepeatedCompositeFieldContainer[MaterializationSnapshot]
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., credential: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., pool: _Optional[str] = ..., arch: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., artifacts: _Optional[_Iterable[str]] = ..., protocol_min: _Optional[int] = ..., protocol_max: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., gpu_indexes: _Optional[_Iterable[int]] = ..., agent_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., egress_contexts: _Optional[_Iterable[str]] = ..., enforces_limits: _Optional[bool] = ..., max_operations: _Optional[int] = ..., materializations: _Optional[_Iterable[_Union[MaterializationSnapshot, _Mapping]]] = ...) -> None: ...
+    batches: bool
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., credential: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., backends: _Optional[_Iterable[str]] = ..., pool: _Optional[str] = ..., arch: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., artifacts: _Optional[_Iterable[str]] = ..., protocol_min: _Optional[int] = ..., protocol_max: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., gpu_indexes: _Optional[_Iterable[int]] = ..., agent_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., egress_contexts: _Optional[_Iterable[str]] = ..., enforces_limits: _Optional[bool] = ..., max_operations: _Optional[int] = ..., materializations: _Optional[_Iterable[_Union[MaterializationSnapshot, _Mapping]]] = ..., batches: _Optional[bool] = ...) -> None: ...
 
 class MaterializationSnapshot(_message.Message):
     __slots__ = ("backend_kind", "architecture", "runtime_digest", "toolchain_digest", "digest")
@@ -187,7 +197,7 @@ class Inventory(_message.Message):
     def __init__(self, artifacts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "assign", "cancel", "ack", "drain", "heartbeat_ack", "accepted", "log_ack", "superseded")
+    __slots__ = ("welcome", "assign", "cancel", "ack", "drain", "heartbeat_ack", "accepted", "log_ack", "superseded", "batch")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +207,7 @@ class ServerMessage(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     LOG_ACK_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     assign: Assign
     cancel: Cancel
@@ -206,23 +217,32 @@ class ServerMessage(_message.Message):
     accepted: Accepted
     log_ack: LogAck
     superseded: Superseded
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., log_ack: _Optional[_Union[LogAck, _Mapping]] = ..., superseded: _Optional[_Union[Superseded, _Mapping]] = ...) -> None: ...
+    batch: ServerBatch
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., log_ack: _Optional[_Union[LogAck, _Mapping]] = ..., superseded: _Optional[_Union[Superseded, _Mapping]] = ..., batch: _Optional[_Union[ServerBatch, _Mapping]] = ...) -> None: ...
+
+class ServerBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ServerMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ServerMessage, _Mapping]]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("node_id", "server_id", "heartbeat_seconds", "kill_grace_seconds", "node_credential", "fence_after_seconds")
+    __slots__ = ("node_id", "server_id", "heartbeat_seconds", "kill_grace_seconds", "node_credential", "fence_after_seconds", "batches")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KILL_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     FENCE_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     server_id: str
     heartbeat_seconds: float
     kill_grace_seconds: float
     node_credential: str
     fence_after_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., server_id: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., kill_grace_seconds: _Optional[float] = ..., node_credential: _Optional[str] = ..., fence_after_seconds: _Optional[float] = ...) -> None: ...
+    batches: bool
+    def __init__(self, node_id: _Optional[str] = ..., server_id: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., kill_grace_seconds: _Optional[float] = ..., node_credential: _Optional[str] = ..., fence_after_seconds: _Optional[float] = ..., batches: _Optional[bool] = ...) -> None: ...
 
 class SecretValue(_message.Message):
     __slots__ = ("env", "value")
