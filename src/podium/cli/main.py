@@ -14,8 +14,6 @@ import sys
 import typer
 from rich.text import Text
 
-from podium.client import PodiumError
-
 # Importing a command module registers its commands on `app`, in the order `podium --help` lists them.
 # isort: off
 from podium.cli import launch, tasks, fleet, specs, admin, bench  # noqa: F401
@@ -65,6 +63,13 @@ def _is_usage_error(e: Exception) -> bool:
     return isinstance(e, tuple(kinds))
 
 
+def _is_podium_error(e: Exception) -> bool:
+    """A `podium.client.PodiumError`, asked without importing the client (httpx) for a command that
+    never used it: if the module is not loaded, nothing raised one."""
+    client = sys.modules.get("podium.client")
+    return client is not None and isinstance(e, client.PodiumError)
+
+
 def _main() -> None:
     """Every way a command can end, as one line and an exit code; PODIUM_DEBUG=1 keeps tracebacks."""
     debug = os.environ.get("PODIUM_DEBUG") == "1"
@@ -75,9 +80,6 @@ def _main() -> None:
     except CliError as e:
         _error(str(e))
         sys.exit(e.code)
-    except PodiumError as e:  # the server refused, or could not be reached: its sentence, as it is
-        _error(str(e) + (" (set PODIUM_TOKEN to an operator token)" if e.status == 401 else ""))
-        sys.exit(1)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
@@ -85,6 +87,9 @@ def _main() -> None:
     except KeyboardInterrupt:
         sys.exit(EXIT_CANCELLED)
     except Exception as e:  # click's usage errors and anything unforeseen: one line, no traceback
+        if _is_podium_error(e):  # the server refused, or could not be reached: its sentence, as it is
+            _error(str(e) + (" (set PODIUM_TOKEN to an operator token)" if e.status == 401 else ""))  # type: ignore[attr-defined]
+            sys.exit(1)
         if _is_usage_error(e):
             e.show()  # type: ignore[attr-defined]
             sys.exit(e.exit_code)  # type: ignore[attr-defined]
