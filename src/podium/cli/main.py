@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING, TypeGuard
 
 import typer
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from podium.client import PodiumError
 
 # Importing a command module registers its commands on `app`, in the order `podium --help` lists them.
 # isort: off
@@ -63,7 +67,7 @@ def _is_usage_error(e: Exception) -> bool:
     return isinstance(e, tuple(kinds))
 
 
-def _is_podium_error(e: Exception) -> bool:
+def _is_podium_error(e: Exception) -> TypeGuard[PodiumError]:
     """A `podium.client.PodiumError`, asked without importing the client (httpx) for a command that
     never used it: if the module is not loaded, nothing raised one."""
     client = sys.modules.get("podium.client")
@@ -88,7 +92,7 @@ def _main() -> None:
         sys.exit(EXIT_CANCELLED)
     except Exception as e:  # click's usage errors and anything unforeseen: one line, no traceback
         if _is_podium_error(e):  # the server refused, or could not be reached: its sentence, as it is
-            _error(str(e) + (" (set PODIUM_TOKEN to an operator token)" if e.status == 401 else ""))  # type: ignore[attr-defined]
+            _error(str(e) + (" (set PODIUM_TOKEN to an operator token)" if e.status == 401 else ""))
             sys.exit(1)
         if _is_usage_error(e):
             e.show()  # type: ignore[attr-defined]
