@@ -7,10 +7,13 @@ deterministic, no timing."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -100,6 +103,35 @@ def test_an_operator_command_loads_the_client_only(args: tuple[str, ...], refuse
     assert _loaded(modules, ("podium.client", "httpx")) != []
     assert _loaded(modules, LAUNCHER_STACK + HTTPX_CLI) == []
     assert ("podium.spec" in modules, "yaml" in modules) == (args[0] == "run", False)
+
+
+class _Refuses401(BaseHTTPRequestHandler):
+    """A server that refuses every token, as the API does: 401 and its sentence as JSON."""
+
+    def do_GET(self) -> None:
+        body = json.dumps({"error": "this token is not valid"}).encode()
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_args: object) -> None:  # the test's output is the CLI's, not this server's
+        pass
+
+
+def test_a_refusal_is_the_servers_sentence_with_the_token_hint() -> None:
+    """The client's error is recognised without importing it up front: a 401 still ends as one line
+    with the hint to set PODIUM_TOKEN, and exit code 1."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Refuses401)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        addr = f"http://127.0.0.1:{srv.server_address[1]}"
+        code, stderr, _ = _podium("ls", "--server", addr, env={**os.environ, "PODIUM_TOKEN": "wrong"})
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert (code, stderr) == (1, "error: this token is not valid (set PODIUM_TOKEN to an operator token)\n")
 
 
 def test_a_spec_file_is_read_and_validated_before_anything_is_sent(tmp_path: Path, refused_addr: str) -> None:
