@@ -61,7 +61,6 @@ def server(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a server. With PODIUM_DATABASE_URL it uses that PostgreSQL; without, an embedded one."""
-
     from podium.server import PodiumServer, ServerConfig, install_signal_handlers, run_server_loop
 
     if placement not in ("spread", "binpack"):
