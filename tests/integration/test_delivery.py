@@ -119,7 +119,7 @@ async def test_a_readable_secret_is_sent(store: Store) -> None:
     async with delivering(store, sec) as (_gw, s):
         got = await _eventually(lambda: _sent_async(s, "assign"), what="the Assign")
     assert [(a.task_id, [(v.env, v.value) for v in a.secrets]) for a in got] == [(str(tid), [("DB", "v4lue")])]
-    assert (await store.get_task(tid))["state"] == "assigned"
+    assert (await store.get_task(tid)).state == "assigned"
 
 
 async def _ended(store: Store, tid: uuid.UUID) -> Any:

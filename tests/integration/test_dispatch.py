@@ -13,7 +13,7 @@ async def test_no_node_gives_the_seed_reason(store: Store) -> None:
     tid = await submit(store)
     out = await place(store)
     assert out.assigned == [] and out.unplaced == {tid: reasons.NO_NODES}
-    assert (await store.get_task(tid))["reason"] == reasons.NO_NODES
+    assert (await store.get_task(tid)).reason == reasons.NO_NODES
 
 
 async def test_placement_writes_attempt_token_lease_and_reservation(store: Store) -> None:
@@ -176,4 +176,4 @@ async def test_the_watchdog_gives_a_removed_nodes_tasks_the_removal_as_reason(st
     assert (t_keep["state"], t_keep["reason"]) == ("lost", reasons.NODE_REVOKED)
     assert (t_again["state"], t_again["reason"]) == ("queued", reasons.NODE_REVOKED)
     await scheduler(store).node_removed("n1")  # then the removal's pass finds nothing left to do
-    assert (await store.get_task(keep))["state"] == "lost"
+    assert (await store.get_task(keep)).state == "lost"

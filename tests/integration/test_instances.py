@@ -37,8 +37,8 @@ async def test_a_new_instance_supersedes_the_old_which_can_never_take_the_node_b
     assert (node["handover_until"] - beat_at).total_seconds() == HANDOVER
     events = await store.node_events("n1")
     assert [e["kind"] for e in events] == ["superseded"]
-    assert events[0]["detail"]["old"] == "host/1/aaaa" and events[0]["detail"]["new"] == "other/2/bbbb"
-    assert "10.0.0.1" in events[0]["message"] and "10.0.0.2" in events[0]["message"]
+    assert events[0].detail["old"] == "host/1/aaaa" and events[0].detail["new"] == "other/2/bbbb"
+    assert "10.0.0.1" in events[0].message and "10.0.0.2" in events[0].message
 
     # the old one comes back: refused, nothing recorded (no new session, the node stays the new one's)
     back = await hello(store, "host/1/aaaa")
@@ -58,7 +58,7 @@ async def test_unreported_attempts_wait_for_the_handover_deadline_then_the_watch
     assert await store.defer_node_loss("n1", [token]) is True
     sched = scheduler(store)
     await sched.sweep()
-    assert (await store.get_task(tid))["state"] == "assigned"
+    assert (await store.get_task(tid)).state == "assigned"
     assert (await node_row(store, "n1"))["handover_tokens"] == [token]
     # the deadline passes (moved back rather than waited for): the next sweep gives it up, once
     async with store.pool.acquire() as c:

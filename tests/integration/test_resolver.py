@@ -63,7 +63,7 @@ async def container_node(store: Store, node_id: str = "n1") -> None:
 
 async def submit(store: Store, image: str = IMAGE, **spec: Any) -> uuid.UUID:
     row, _ = await store.submit(TaskSpec(backend="container", image=image, **spec))
-    return row["id"]
+    return row.id
 
 
 def resolver(store: Store, registry: RegistryStandIn, timing: Any = TIMING) -> ImageResolver:
@@ -76,7 +76,7 @@ def scheduler(store: Store) -> Scheduler:
 
 async def assign_sent(store: Store, node: str) -> list[dict[str, Any]]:
     """What the gateway would push to the node now: the specs of its Assigns."""
-    return [json.loads(r["spec"]) for r in await store.take_outbox([node]) if r["kind"] == "assign"]
+    return [json.loads(r.spec) for r in await store.take_outbox([node]) if r.kind == "assign"]
 
 
 async def test_an_unreachable_registry_keeps_the_task_queued_with_its_words_then_it_runs(store: Store) -> None:
@@ -96,7 +96,7 @@ async def test_an_unreachable_registry_keeps_the_task_queued_with_its_words_then
     assert task["reason_detail"] == "dial tcp 127.0.0.1:5000: connect: connection refused"
     assert task["resolve_tries"] == 1
     out = await scheduler(store).dispatch_once()
-    assert out.claimed == 0 and (await store.get_task(tid))["reason"] == reasons.REGISTRY_UNREACHABLE
+    assert out.claimed == 0 and (await store.get_task(tid)).reason == reasons.REGISTRY_UNREACHABLE
     # a loopback registry may speak plain HTTP, as Docker allows; no login is stored for it
     assert registry.calls == [(IMAGE, None, True)]
 
@@ -177,8 +177,8 @@ async def test_one_question_per_image_and_a_digest_needs_none(store: Store) -> N
     registry = RegistryStandIn(D1)
     assert await resolver(store, registry).resolve_once() == 4
     assert registry.calls == [(IMAGE, None, True)]
-    assert [(await store.get_task(t))["image_digest"] for t in same] == [D1, D1, D1]
-    assert (await store.get_task(pinned))["image_digest"] == D2
+    assert [(await store.get_task(t)).image_digest for t in same] == [D1, D1, D1]
+    assert (await store.get_task(pinned)).image_digest == D2
     out = await scheduler(store).dispatch_once()
     assert len(out.assigned) == 4
     assert sorted(s["image"] for s in await assign_sent(store, "n1")) == sorted(
@@ -190,7 +190,7 @@ async def test_a_cancel_while_resolving_wins_and_a_claimed_task_is_not_claimed_t
     tid = await submit(store)
     other = await submit(store)
     claimed = await store.claim_unresolved(10, 120.0)
-    assert {r["id"] for r in claimed} == {tid, other}
+    assert {r.id for r in claimed} == {tid, other}
     assert await store.claim_unresolved(10, 120.0) == []  # another resolver takes nothing of this claim
     await scheduler(store).cancel(tid, actor="operator")
     # the first resolver's answer comes back after the cancel: only the queued task is written

@@ -40,18 +40,18 @@ async def env(e2e_db_url: str) -> AsyncIterator[tuple[Store, httpx.AsyncClient]]
 async def test_every_assignment_change_bumps_the_revision(env: tuple[Store, httpx.AsyncClient]) -> None:
     store, _client = env
     tid = await submit(store)
-    assert (await store.get_task(tid))["revision"] == 1
+    assert (await store.get_task(tid)).revision == 1
     await add_node(store, "n1")
     await place(store)  # queued → assigned, by the dispatch batch
-    assert (await store.get_task(tid))["revision"] == 2
+    assert (await store.get_task(tid)).revision == 2
     # a compare-and-set naming a stale revision changes nothing, even with the right `from`
     assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.PROVISIONING, actor="t", revision=1) is None
     row = await store.get_task(tid)
     assert (row["state"], row["revision"]) == ("assigned", 2)
     assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.PROVISIONING, actor="t", revision=2)
-    assert (await store.get_task(tid))["revision"] == 3
+    assert (await store.get_task(tid)).revision == 3
     assert await store.transition_task(tid, TaskState.PROVISIONING, TaskState.RUNNING, actor="t")  # no If-Match: any
-    assert (await store.get_task(tid))["revision"] == 4
+    assert (await store.get_task(tid)).revision == 4
 
 
 async def test_cancel_with_a_stale_revision_is_refused_and_a_current_one_accepted(
@@ -136,7 +136,7 @@ async def test_a_pinned_task_keeps_its_revisions_content_on_every_attempt(env: t
         await store.transition_task(tid, TaskState.ASSIGNED, TaskState.QUEUED, actor="t", end_attempt="revoked",
                                     fencing_token=task["fencing_token"])  # fmt: skip
     assert sent == [["echo", "v1"], ["echo", "v1"]]
-    assert ((await store.get_task(tid))["spec_name"], (await store.get_task(tid))["spec_revision"]) == ("job", 1)
+    assert ((await store.get_task(tid)).spec_name, (await store.get_task(tid)).spec_revision) == ("job", 1)
     # and the revision itself can never be changed under the task
     async with store.pool.acquire() as c:
         with pytest.raises(asyncpg.exceptions.RestrictViolationError, match="store a new revision"):
