@@ -507,9 +507,9 @@ class Model:
         spec = TaskSpec(command=["true"], resources={"cpu": f"{a.cpu}m", "memory": "64Mi", "gpus": a.gpus},
                         max_attempts=a.max_attempts, requeue_on_node_loss=a.requeue, timeout=a.timeout)  # fmt: skip
         row, created = self.run(self.store.submit(spec))
-        assert created and row["state"] == "queued"
-        self.tasks.append(row["id"])
-        return f"{self.label(row['id'])} = {row['id']}"
+        assert created and row.state == "queued"
+        self.tasks.append(row.id)
+        return f"{self.label(row.id)} = {row.id}"
 
     def dispatch(self) -> str:
         before = self.world()

@@ -184,4 +184,4 @@ async def test_a_group_commit_gives_each_change_the_answer_it_would_get_alone(st
     assert [(await node_row(store, n))["res_cpu_millis"] for n in ("n1", "n2")] == [0, 0]
     _, attempts, events = await store.task_detail(c)
     assert [a.state for a in attempts] == ["lost"] and attempts[0].released
-    assert [(e["from_state"], e["to_state"], e["reason"]) for e in events][-1] == ("assigned", "lost", reasons.NODE_LOST)
+    assert [(e.from_state, e.to_state, e.reason) for e in events][-1] == ("assigned", "lost", reasons.NODE_LOST)
