@@ -163,7 +163,7 @@ async def test_each_end_writes_its_class_with_the_end(store: Store, end: Any, to
     tid = await submit(store, max_attempts=2, timeout=3600)
     node, tok = await running(store, tid)
     (live,) = await attempts(store, tid)
-    assert (live["failure_class"], live["failure_detail"], live["finished_at"]) == (None, None, None)
+    assert (live.failure_class, live.failure_detail, live.finished_at) == (None, None, None)
     await end(store, tid, node, tok)
     (a,) = await attempts(store, tid)
     task = await store.get_task(tid)
@@ -171,7 +171,7 @@ async def test_each_end_writes_its_class_with_the_end(store: Store, end: Any, to
     assert task.state == to and task.reason == reason
     # the class is on the attempt, in the event of the end, and the node's words beside the reason
     assert (a.failure_class, a.failure_detail, a.reason) == (cls, detail, reason)
-    assert (ev["to_state"], ev["failure_class"], ev["detail"], ev["reason"]) == (to, cls, detail, reason)
+    assert (ev.to_state, ev.failure_class, ev.detail, ev.reason) == (to, cls, detail, reason)
     assert task.reason_detail == detail
     assert a.released and a.finished_at is not None and await slots(store, "n1") == 0  # a process: freed with its end
 
@@ -190,11 +190,11 @@ async def test_accept_deadline_and_success_classes(store: Store) -> None:
     assert await report(store, ok, node, tok, protocol.EXITED, 0)
     (a,) = await attempts(store, ok)
     assert (a.state, a.failure_class, a.exit_code) == ("exited", None, 0)
-    assert (await last_event(store, ok))["failure_class"] is None
+    assert (await last_event(store, ok)).failure_class is None
 
     queued = await submit(store)
     await scheduler(store).cancel(queued, actor="operator")
-    assert (await last_event(store, queued))["failure_class"] == "cancelled"
+    assert (await last_event(store, queued)).failure_class == "cancelled"
 
 
 async def test_a_refused_end_writes_no_class(store: Store) -> None:
