@@ -66,6 +66,6 @@ async def test_unreported_attempts_wait_for_the_handover_deadline_then_the_watch
     assert await store.defer_node_loss("n1", [token]) is False  # a late reconcile applies the policy itself
     await sched.sweep()
     task = await store.get_task(tid)
-    assert (task["state"], task["reason"]) == ("queued", reasons.INSTANCE_REPLACED)
+    assert (task.state, task.reason) == ("queued", reasons.INSTANCE_REPLACED)
     assert (await node_row(store, "n1"))["handover_tokens"] == []
     assert [e.kind for e in await store.node_events("n1")] == ["superseded", "handover"]

@@ -575,7 +575,7 @@ class Model:
         pool = alive if alive and a.task % 4 else self.tasks
         tid = pool[a.task % len(pool)]
         before = TaskState(w.tasks[tid]["state"])
-        after = TaskState(self.run(self.sched.cancel(tid, "operator"))["state"])
+        after = TaskState(self.run(self.sched.cancel(tid, "operator")).state)
         if before == S.QUEUED:
             assert after == S.CANCELLED, f"cancelling a queued task left it {after}"
         elif before in (S.ASSIGNED, S.PROVISIONING, S.RUNNING):
