@@ -439,15 +439,13 @@ class Store:
             # itself: no BEGIN and COMMIT round trips around it.
             async with self._conn() as conn:
                 rows = await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named)
-            by_id = {r["id"]: TaskRow.of(r) for r in rows}
+            by_id = {r.id: r for r in TaskRow.many(rows)}
             return [(by_id[i], True) for i in ids]
         async with self._conn() as conn, conn.transaction():
-            inserted = {
-                r["id"]: TaskRow.of(r) for r in await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named)
-            }
+            inserted = {r.id: r for r in TaskRow.many(await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named))}
             missing = [k for i, k in zip(ids, keys, strict=True) if i not in inserted]
             existing = (
-                {r["idempotency_key"]: TaskRow.of(r) for r in await conn.fetch(self.q["tasks_by_idempotency_keys"], missing)}
+                {r.idempotency_key: r for r in TaskRow.many(await conn.fetch(self.q["tasks_by_idempotency_keys"], missing))}
                 if missing
                 else {}
             )
@@ -484,7 +482,7 @@ class Store:
 
     async def list_named_specs(self) -> list[NamedSpecRow]:
         async with self._conn() as conn:
-            return [NamedSpecRow.of(r) for r in await conn.fetch(self.q["list_named_specs"])]
+            return NamedSpecRow.many(await conn.fetch(self.q["list_named_specs"]))
 
     async def submit_named(
         self, name: str, revision: int | None, *, idempotency_key: str | None, actor: str
@@ -572,7 +570,7 @@ class Store:
 
     async def task_facts_many(self, task_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, TaskFactsRow]:
         async with self._conn() as conn:
-            return {r["id"]: TaskFactsRow.of(r) for r in await conn.fetch(self.q["task_facts_many"], list(task_ids))}
+            return {r.id: r for r in TaskFactsRow.many(await conn.fetch(self.q["task_facts_many"], list(task_ids)))}
 
     async def assigned_in_flight(self, up_to: int) -> int:
         async with self._conn() as conn:
@@ -592,7 +590,7 @@ class Store:
                 raise NotFound(f"no task {task_id}")
             attempts = await conn.fetch(self.q["task_attempts"], task_id)
             events = await conn.fetch(self.q["task_events"], task_id)
-        return TaskRow.of(task), [AttemptRow.of(r) for r in attempts], [TaskEventRow.of(r) for r in events]
+        return TaskRow.of(task), AttemptRow.many(attempts), TaskEventRow.many(events)
 
     async def last_attempt_nodes(self, task_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, str | None]]:
         """task → (node id, node name) of its latest attempt; tasks never placed are left out."""
@@ -619,7 +617,7 @@ class Store:
                 rows = await conn.fetch(self.q["list_tasks_in_state"], state, at, tid, limit)
             else:
                 rows = await conn.fetch(self.q["list_tasks"], state, node_id, name, at, tid, limit)
-        return [TaskRow.of(r) for r in rows]
+        return TaskRow.many(rows)
 
     async def count_tasks_after(
         self,
@@ -660,7 +658,7 @@ class Store:
         async with self._conn() as conn:
             if await conn.fetchrow(self.q["get_task"], task_id) is None:
                 raise NotFound(f"no task {task_id}")
-            return [TaskEventRow.of(r) for r in await conn.fetch(self.q["task_events_page"], task_id, after, limit)]
+            return TaskEventRow.many(await conn.fetch(self.q["task_events_page"], task_id, after, limit))
 
     async def read_logs(
         self,
@@ -678,7 +676,7 @@ class Store:
         token, seq, name = after if after is not None else (-1, -1, "")
         async with self._conn() as conn:
             rows = await conn.fetch(self.q["read_logs"], task_id, token, seq, name, stream, attempt, offset, limit)
-        return [LogChunkRow.of(r) for r in rows]
+        return LogChunkRow.many(rows)
 
     async def log_position(self, task_id: uuid.UUID, chunk_id: int) -> tuple[int, int, str] | None:
         """(fencing token, seq, stream) of the task's chunk with this id, or None."""
@@ -738,13 +736,13 @@ class Store:
         reconcile_seconds: float,
     ) -> DispatchOutcome:
         async with self._conn() as conn, conn.transaction():
-            tasks = [ClaimedTaskRow.of(r) for r in await conn.fetch(self.q["claim_queued"], claim_limit)]
+            tasks = ClaimedTaskRow.many(await conn.fetch(self.q["claim_queued"], claim_limit))
             out.claimed = len(tasks)
             if not tasks:
                 return out
             # the horizon first: whatever commits after it is read again next time
             horizon = await conn.fetchval(self.q["snapshot_horizon"])
-            nodes = [NodeRow.of(r) for r in await conn.fetch(self.q["placement_nodes_changed"], nodes_since)]
+            nodes = NodeRow.many(await conn.fetch(self.q["placement_nodes_changed"], nodes_since))
             operations = {r["node_id"]: r["n"] for r in await conn.fetch(self.q["operations_in_flight"])}
             placements, unplaced = decide(tasks, nodes, horizon, operations)
             out.unplaced = unplaced
@@ -880,7 +878,7 @@ class Store:
 
     async def handover_due(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["handover_due"], limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["handover_due"], limit))
 
     @_retried
     async def handover_done(self) -> None:
@@ -893,7 +891,7 @@ class Store:
 
     async def node_events(self, node_id: str, after: int = 0, limit: int = 1000) -> list[NodeEventRow]:
         async with self._conn() as conn:
-            return [NodeEventRow.of(r) for r in await conn.fetch(self.q["node_events"], node_id, after, limit)]
+            return NodeEventRow.many(await conn.fetch(self.q["node_events"], node_id, after, limit))
 
     @_retried
     async def heartbeats(self, beats: Sequence[tuple[str, int]], gateway_id: str) -> set[str]:
@@ -917,7 +915,7 @@ class Store:
 
     async def tasks_on_node(self, node_id: str) -> list[NodeTaskRow]:
         async with self._conn() as conn:
-            return [NodeTaskRow.of(r) for r in await conn.fetch(self.q["tasks_on_node"], node_id)]
+            return NodeTaskRow.many(await conn.fetch(self.q["tasks_on_node"], node_id))
 
     @_retried
     async def redeliver(self, tokens: Sequence[int]) -> None:
@@ -935,7 +933,7 @@ class Store:
     async def take_outbox(self, node_ids: Sequence[str]) -> list[OutboxRow]:
         """What the nodes are owed (Assigns, stops), marked sent; ordered by node, then token."""
         async with self._conn() as conn:
-            return [OutboxRow.of(r) for r in await conn.fetch(self.q["take_outbox"], list(node_ids))]
+            return OutboxRow.many(await conn.fetch(self.q["take_outbox"], list(node_ids)))
 
     async def nodes_with_outbox(self) -> list[str]:
         async with self._conn() as conn:
@@ -943,13 +941,13 @@ class Store:
 
     async def list_nodes(self) -> list[NodeRow]:
         async with self._conn() as conn:
-            return [NodeRow.of(r) for r in await conn.fetch(self.q["list_nodes"])]
+            return NodeRow.many(await conn.fetch(self.q["list_nodes"]))
 
     async def list_nodes_page(self, *, limit: int, after: tuple[str, str] | None = None) -> list[NodeRow]:
         """One page of nodes by (name, id), strictly after the keyset cursor `after`."""
         name, nid = after or (None, None)
         async with self._conn() as conn:
-            return [NodeRow.of(r) for r in await conn.fetch(self.q["list_nodes_page"], name, nid, limit)]
+            return NodeRow.many(await conn.fetch(self.q["list_nodes_page"], name, nid, limit))
 
     async def count_nodes_after(self, *, after: tuple[str, str] | None = None, cap: int = 10_000) -> int:
         name, nid = after or (None, None)
@@ -994,7 +992,7 @@ class Store:
 
     async def placement_nodes(self) -> list[NodeRow]:
         async with self._conn() as conn:
-            return [NodeRow.of(r) for r in await conn.fetch(self.q["placement_nodes"])]
+            return NodeRow.many(await conn.fetch(self.q["placement_nodes"]))
 
     @_retried
     async def set_draining(self, node_id: str, draining: bool, deadline: float | None = None) -> None:
@@ -1011,7 +1009,7 @@ class Store:
         """Up to `limit` queued container tasks due for resolving their image, each held for
         `lease_seconds` against other resolvers: (id, image, resolve_tries)."""
         async with self._conn() as conn:
-            return [UnresolvedRow.of(r) for r in await conn.fetch(self.q["claim_unresolved"], limit, lease_seconds)]
+            return UnresolvedRow.many(await conn.fetch(self.q["claim_unresolved"], limit, lease_seconds))
 
     async def set_resolved(self, digests: Sequence[tuple[uuid.UUID, str]]) -> set[uuid.UUID]:
         """Pin tasks' images to these digests; the tasks written (still queued and unresolved)."""
@@ -1057,14 +1055,14 @@ class Store:
         removed: the node-loss policy has given up on them, and says so in the proof."""
         async with self._conn() as conn:
             rows = await conn.fetch(self.q["release_abandoned"], limit, reasons.NODE_REVOKED, reasons.NODE_LOST)
-        return [AbandonedReleaseRow.of(r) for r in rows]
+        return AbandonedReleaseRow.many(rows)
 
     async def nodes_releasing(self, node_ids: Sequence[str]) -> dict[str, ReleasingRow]:
         """Per node, the capacity ended attempts still hold until their release proof."""
         if not node_ids:
             return {}
         async with self._conn() as conn:
-            return {r["node_id"]: ReleasingRow.of(r) for r in await conn.fetch(self.q["nodes_releasing"], list(node_ids))}
+            return {r.node_id: r for r in ReleasingRow.many(await conn.fetch(self.q["nodes_releasing"], list(node_ids)))}
 
     async def set_artifacts(self, node_id: str, session: int, artifacts: Sequence[str]) -> bool:
         """A node's inventory of image digests, from its current session. False if not written (an
@@ -1074,7 +1072,7 @@ class Store:
 
     async def drain_overdue(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["drain_overdue"], limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["drain_overdue"], limit))
 
     # ---- security -------------------------------------------------------------------------------
 
@@ -1090,7 +1088,7 @@ class Store:
 
     async def list_tokens(self) -> list[TokenRow]:
         async with self._conn() as conn:
-            return [TokenRow.of(r) for r in await conn.fetch(self.q["list_tokens"])]
+            return TokenRow.many(await conn.fetch(self.q["list_tokens"]))
 
     async def revoke_token(self, token_id: str) -> TokenRow:
         """Revoke the active token with this id, or the one whose id starts with it."""
@@ -1122,7 +1120,7 @@ class Store:
 
     async def list_secrets(self) -> list[SecretRow]:
         async with self._conn() as conn:
-            return [SecretRow.of(r) for r in await conn.fetch(self.q["list_secrets"])]
+            return SecretRow.many(await conn.fetch(self.q["list_secrets"]))
 
     async def delete_secret(self, name: str) -> None:
         async with self._conn() as conn:
@@ -1131,7 +1129,7 @@ class Store:
 
     async def get_secrets(self, names: Sequence[str]) -> list[SealedSecretRow]:
         async with self._conn() as conn:
-            return [SealedSecretRow.of(r) for r in await conn.fetch(self.q["get_secrets"], list(names))]
+            return SealedSecretRow.many(await conn.fetch(self.q["get_secrets"], list(names)))
 
     async def audit(self, actor: str, action: str, target: str | None, detail: dict[str, Any] | None = None) -> None:
         async with self._conn() as conn:
@@ -1140,7 +1138,7 @@ class Store:
     async def read_audit(self, limit: int, before: int | None = None) -> list[AuditRow]:
         """One page of the audit log, newest first, of entries older than entry `before`."""
         async with self._conn() as conn:
-            return [AuditRow.of(r) for r in await conn.fetch(self.q["read_audit"], limit, before)]
+            return AuditRow.many(await conn.fetch(self.q["read_audit"], limit, before))
 
     async def count_audit_after(self, before: int | None = None, cap: int = 10_000) -> int:
         async with self._conn() as conn:
@@ -1175,15 +1173,15 @@ class Store:
 
     async def overdue_accepts(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_overdue_accept"], limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["watch_overdue_accept"], limit))
 
     async def timed_out(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_timeouts"], limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["watch_timeouts"], limit))
 
     async def cancel_grace_expired(self, grace: float, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_cancel_grace"], grace, limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["watch_cancel_grace"], grace, limit))
 
     @_retried
     async def prune_finished(self, older_than: float, limit: int) -> int:
@@ -1195,7 +1193,7 @@ class Store:
 
     async def lost_tasks(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_lost"], limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["watch_lost"], limit))
 
 
 def _returned(row: _Record | None) -> _Record:

@@ -22,7 +22,7 @@ class ReconcileStore:
         now, each with its task's and its node's facts as they are now."""
         async with self.store._conn() as conn:
             rows = await conn.fetch(self.store.q["claim_reconcile"], owner, limit, claim_seconds)
-        return [ReconcileClaimRow.of(r) for r in rows]
+        return ReconcileClaimRow.many(rows)
 
     @_retried
     async def finish(self, owner: str, results: Sequence[tuple[int, str, float]]) -> set[int]:

@@ -10,8 +10,9 @@ field with a default is one some of the row's queries do not select.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
@@ -23,22 +24,57 @@ class Row:
     __slots__ = ()
 
     @classmethod
-    def of(cls: type[_R], record: Mapping[str, Any]) -> _R:
-        """From a driver record: the columns the row has, by name (the rest keep their defaults; a
-        required one missing is a TypeError naming it)."""
-        names = _names(cls)
-        return cls(**{k: v for k, v in record.items() if k in names})
+    def of(cls: type[_R], record: Any) -> _R:
+        """From one driver record (or a mapping): the columns the row has, by name; the rest keep
+        their defaults. A required column the record lacks is a TypeError naming it."""
+        return _maker(cls, tuple(record.keys()), isinstance(record, Mapping))(record)
+
+    @classmethod
+    def many(cls: type[_R], records: Sequence[Any]) -> list[_R]:
+        """`of` for every record of one query's answer (they share its columns, so the columns are
+        matched to the fields once, not once per record: a listing page stays cheap)."""
+        if not records:
+            return []
+        make = _maker(cls, tuple(records[0].keys()), isinstance(records[0], Mapping))
+        return [make(r) for r in records]
 
 
-_NAMES: dict[type[Row], frozenset[str]] = {}
+_MAKERS: dict[tuple[type[Row], tuple[str, ...], bool], Callable[[Any], Any]] = {}
 
 
-def _names(cls: type[Row]) -> frozenset[str]:
-    names = _NAMES.get(cls)
-    if names is None:
-        assert dataclasses.is_dataclass(cls)
-        names = _NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
-    return names
+def _maker(cls: type[_R], columns: tuple[str, ...], by_name: bool) -> Callable[[Any], _R]:
+    """`_make`, made once per row type and query (the same columns)."""
+    key = (cls, columns, by_name)
+    make = _MAKERS.get(key)
+    if make is None:
+        make = _MAKERS[key] = _make(cls, columns, by_name)
+    return make
+
+
+def _make(cls: type[_R], columns: tuple[str, ...], by_name: bool) -> Callable[[Any], _R]:
+    """How to build `cls` from a record with these columns: the values picked by one C-level
+    itemgetter (by position from a driver record, by name from a mapping), then passed positionally
+    when they are the leading fields in order, else by keyword."""
+    assert dataclasses.is_dataclass(cls)
+    fields = dataclasses.fields(cls)
+    missing = [
+        f.name for f in fields
+        if f.name not in columns and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]  # fmt: skip
+    if missing:
+        raise TypeError(
+            f"{cls.__name__} needs the column(s) {', '.join(missing)}, which the query does not select "
+            f"(it selects {', '.join(columns)})"
+        )
+    names = tuple(f.name for f in fields if f.name in columns)
+    keys: tuple[Any, ...] = names if by_name else tuple(columns.index(n) for n in names)
+    if len(keys) == 1:
+        only, key = names[0], keys[0]
+        return lambda r: cls(**{only: r[key]})
+    pick = operator.itemgetter(*keys)
+    if names == tuple(f.name for f in fields[: len(names)]):
+        return lambda r: cls(*pick(r))
+    return lambda r: cls(**dict(zip(names, pick(r), strict=True)))
 
 
 # ---- tasks ----------------------------------------------------------------------------------------
@@ -285,7 +321,7 @@ class AbandonedReleaseRow(Row):
 
 @dataclass(frozen=True, slots=True)
 class NodeRow(Row):
-    """A node as stored. The listings add `drain_phase`; placement's reads add `gpus_in_use`."""
+    """A node as stored (not its credential's hash)."""
 
     id: str
     name: str
@@ -331,8 +367,10 @@ class NodeRow(Row):
     hello_tokens: list[int]
     max_operations: int
     materializations: list[dict[str, Any]]
-    drain_phase: str | None = None
+    # placement's reads add gpus_in_use, the listings drain_phase (in this order: placement's rows,
+    # read every dispatch tick, are then the leading fields, built positionally)
     gpus_in_use: list[int] | None = None
+    drain_phase: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

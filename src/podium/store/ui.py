@@ -54,7 +54,7 @@ class UiStore:
             rows = await conn.fetch(
                 self.store.q["events_after"], str(cursor.txid), cursor.id, cursor.floor, limit, task_id, node_id, state, tasks, nodes
             )
-        return [StreamEventRow.of(r) for r in rows]
+        return StreamEventRow.many(rows)
 
     async def events_held(self, cursor: Cursor) -> bool:
         async with self.store._conn() as conn:
@@ -73,11 +73,11 @@ class UiStore:
         at, tid = before if before else (None, None)
         async with self.store._conn() as conn:
             rows = await conn.fetch(self.store.q["ui_tasks_page"], at, tid, state, name, node_id, labels or None, limit)
-        return [TaskSummaryRow.of(r) for r in rows]
+        return TaskSummaryRow.many(rows)
 
     async def spec_revisions(self, name: str) -> list[NamedSpecRow]:
         async with self.store._conn() as conn:
-            return [NamedSpecRow.of(r) for r in await conn.fetch(self.store.q["ui_spec_revisions"], name)]
+            return NamedSpecRow.many(await conn.fetch(self.store.q["ui_spec_revisions"], name))
 
     async def create_session(self, session_hash: bytes, token_id: str, csrf: str, ttl_seconds: float) -> None:
         async with self.store._conn() as conn:
