@@ -13,7 +13,7 @@ async def test_no_node_gives_the_seed_reason(store: Store) -> None:
     tid = await submit(store)
     out = await place(store)
     assert out.assigned == [] and out.unplaced == {tid: reasons.NO_NODES}
-    assert (await store.get_task(tid))["reason"] == reasons.NO_NODES
+    assert (await store.get_task(tid)).reason == reasons.NO_NODES
 
 
 async def test_placement_writes_attempt_token_lease_and_reservation(store: Store) -> None:
@@ -29,11 +29,11 @@ async def test_placement_writes_attempt_token_lease_and_reservation(store: Store
     n = await node_row(store, "n1")
     assert (n["res_slots"], n["res_cpu_millis"], n["res_memory_bytes"]) == (2, 2000, 2 * 2**30)
     t = await store.get_task(t1)
-    assert t["state"] == "assigned" and t["node_id"] == "n1" and t["attempts"] == 1
-    assert t["lease_expires_at"] is not None and t["accept_deadline"] is not None
+    assert t.state == "assigned" and t.node_id == "n1" and t.attempts == 1
+    assert t.lease_expires_at is not None and t.accept_deadline is not None
     _, attempts, events = await store.task_detail(t1)
-    assert [(a["attempt"], a["node_id"], a["fencing_token"]) for a in attempts] == [(1, "n1", t["fencing_token"])]
-    assert [(e["from_state"], e["to_state"]) for e in events] == [(None, "queued"), ("queued", "assigned")]
+    assert [(a.attempt, a.node_id, a.fencing_token) for a in attempts] == [(1, "n1", t.fencing_token)]
+    assert [(e.from_state, e.to_state) for e in events] == [(None, "queued"), ("queued", "assigned")]
 
 
 async def test_concurrent_dispatchers_never_over_reserve_or_double_place(store: Store) -> None:
@@ -124,7 +124,7 @@ async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_ch
     decide = sched.dispatcher.decide
 
     def counting(tasks, changed, horizon, operations=None):  # type: ignore[no-untyped-def]
-        seen.append({r["id"] for r in changed})
+        seen.append({r.id for r in changed})
         return decide(tasks, changed, horizon, operations)
 
     sched.dispatcher.decide = counting  # type: ignore[method-assign]
@@ -173,7 +173,7 @@ async def test_the_watchdog_gives_a_removed_nodes_tasks_the_removal_as_reason(st
     await store.revoke_node("n1")
     await scheduler(store).sweep()  # before the removal's own pass (Scheduler.node_removed)
     t_keep, t_again = await store.get_task(keep), await store.get_task(again)
-    assert (t_keep["state"], t_keep["reason"]) == ("lost", reasons.NODE_REVOKED)
-    assert (t_again["state"], t_again["reason"]) == ("queued", reasons.NODE_REVOKED)
+    assert (t_keep.state, t_keep.reason) == ("lost", reasons.NODE_REVOKED)
+    assert (t_again.state, t_again.reason) == ("queued", reasons.NODE_REVOKED)
     await scheduler(store).node_removed("n1")  # then the removal's pass finds nothing left to do
-    assert (await store.get_task(keep))["state"] == "lost"
+    assert (await store.get_task(keep)).state == "lost"

@@ -40,16 +40,16 @@ async def test_a_late_commit_with_a_lower_id_is_delivered_after_the_earlier_one_
             high = await b.fetchval(INSERT, tid)  # ...but commits second
         assert low < high
         # the committed event waits behind the open transaction, and the stream knows to look again
-        assert [r["id"] for r in await ui.events_after(start, 100)] == []
+        assert [r.id for r in await ui.events_after(start, 100)] == []
         assert await ui.events_held(start)
         await ta.commit()
         # (on a shared server another database's open transaction may hold the horizon a moment)
         got = await wait_async(lambda: ui.events_after(start, 100))
-        assert [r["id"] for r in got] == [low, high]
+        assert [r.id for r in got] == [low, high]
         # resuming from either delivers exactly what followed it
-        assert [r["id"] for r in await ui.events_after(cursor_of_row(got[0]), 100)] == [high]
+        assert [r.id for r in await ui.events_after(cursor_of_row(got[0]), 100)] == [high]
         assert await ui.events_after(cursor_of_row(got[1]), 100) == []
-        assert [r["id"] for r in await ui.events_after(await ui.cursor_of(low), 100)] == [high]
+        assert [r.id for r in await ui.events_after(await ui.cursor_of(low), 100)] == [high]
         assert not await ui.events_held(cursor_of_row(got[1]))
     finally:
         await a.close()
@@ -63,7 +63,7 @@ async def test_node_changes_are_events_and_a_heartbeat_is_not(store: Store) -> N
     await store.set_draining("n1", True)
     await store.heartbeats([("n1", 1)], "test")
     rows = await wait_async(lambda: ui.events_after(start, 100, tasks=False))
-    assert [(r["kind"], r["node_id"], r["draining"]) for r in rows] == [("node", "n1", False), ("node", "n1", True)]
+    assert [(r.kind, r.node_id, r.draining) for r in rows] == [("node", "n1", False), ("node", "n1", True)]
     assert await ui.events_after(start, 100, nodes=False) == []
 
 
@@ -82,8 +82,8 @@ async def test_the_hub_wakes_on_notify_and_fans_out_to_filtered_clients(store: S
             await c.execute(INSERT, t1)
         got_all = await first_all
         got_mine = await first_mine
-        assert got_all is not None and got_all["task_id"] != t1
-        assert got_mine is not None and got_mine["task_id"] == t1
+        assert got_all is not None and got_all.task_id != t1
+        assert got_mine is not None and got_mine.task_id == t1
         await mine.aclose()
         await everything.aclose()
     finally:

@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
 from podium import metrics
@@ -23,6 +22,7 @@ from podium.placement import NodeSnapshot, Placer, Requirements, Resources, Unpl
 from podium.scheduler.woken import WokenLoop
 from podium.store import Store
 from podium.store.db import DispatchOutcome, PlacementDecision
+from podium.store.rows import ClaimedTaskRow, NodeRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -31,31 +31,31 @@ WINDOW_POLL = 0.02  # seconds between looks at a full assignment window
 FULL_NODE_READ_EVERY = 60.0  # seconds between reads of every node row (in between: changed rows only)
 
 
-def node_snapshot(row: Mapping[str, Any]) -> NodeSnapshot:
-    in_use = set(row["gpus_in_use"] or ())
+def node_snapshot(row: NodeRow) -> NodeSnapshot:
+    in_use = set(row.gpus_in_use or ())
     return NodeSnapshot(
-        id=row["id"],
-        name=row["name"],
-        connected=row["connected"],
-        health=row["health"],
-        draining=row["draining"],
-        pool=row["pool"],
-        arch=row["arch"],
-        labels=row["labels"],
-        capabilities=frozenset(row["capabilities"]),
-        backends=frozenset(row["backends"]),
-        protocol_min=row["protocol_min"],
-        protocol_max=row["protocol_max"],
+        id=row.id,
+        name=row.name,
+        connected=row.connected,
+        health=row.health,
+        draining=row.draining,
+        pool=row.pool,
+        arch=row.arch,
+        labels=row.labels,
+        capabilities=frozenset(row.capabilities),
+        backends=frozenset(row.backends),
+        protocol_min=row.protocol_min,
+        protocol_max=row.protocol_max,
         allocatable=Resources(
-            row["alloc_cpu_millis"], row["alloc_memory_bytes"], row["alloc_disk_bytes"], row["alloc_gpus"], row["alloc_slots"]
+            row.alloc_cpu_millis, row.alloc_memory_bytes, row.alloc_disk_bytes, row.alloc_gpus, row.alloc_slots
         ),
         reserved=Resources(
-            row["res_cpu_millis"], row["res_memory_bytes"], row["res_disk_bytes"], row["res_gpus"], row["res_slots"]
+            row.res_cpu_millis, row.res_memory_bytes, row.res_disk_bytes, row.res_gpus, row.res_slots
         ),
-        artifacts=frozenset(row["artifacts"]),
-        gpu_free=tuple(g for g in sorted(row["gpu_indexes"]) if g not in in_use),
-        egress_contexts=frozenset(row["egress_contexts"]),
-        max_operations=row["max_operations"],
+        artifacts=frozenset(row.artifacts),
+        gpu_free=tuple(g for g in sorted(row.gpu_indexes) if g not in in_use),
+        egress_contexts=frozenset(row.egress_contexts),
+        max_operations=row.max_operations,
     )
 
 
@@ -144,20 +144,20 @@ class Dispatcher:
             reconcile_seconds=self.timing.reconcile,
         )
 
-    def _remember_nodes(self, changed: list[Mapping[str, Any]], horizon: int) -> None:
+    def _remember_nodes(self, changed: list[NodeRow], horizon: int) -> None:
         """Fold the node rows changed since the last read into the snapshots kept between ticks."""
         if self._horizon is None:
             self._snaps = {}
             self._nodes_read_all_at = asyncio.get_running_loop().time()
         for row in changed:
-            if row["connected"] and row["revoked_at"] is None:
-                self._snaps[row["id"]] = node_snapshot(row)
+            if row.connected and row.revoked_at is None:
+                self._snaps[row.id] = node_snapshot(row)
             else:
-                self._snaps.pop(row["id"], None)
+                self._snaps.pop(row.id, None)
         self._horizon = horizon
 
     def decide(
-        self, tasks: list[Mapping[str, Any]], changed: list[Mapping[str, Any]], horizon: int,
+        self, tasks: list[ClaimedTaskRow], changed: list[NodeRow], horizon: int,
         operations: dict[str, int] | None = None,
     ) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
         """Pure once the rows are read: the Placer sees every connected node (kept between ticks,
@@ -170,15 +170,15 @@ class Dispatcher:
         unplaced: dict[uuid.UUID, str] = {}
         for t in tasks:
             req = requirements(
-                t["spec"], t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], t["avoid"], t["image_digest"]
+                t.spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.avoid, t.image_digest
             )
             result = placer.place(req)
             if isinstance(result, Unplaceable):
-                unplaced[t["id"]] = result.reason
+                unplaced[t.id] = result.reason
             else:
                 placed.append(
                     PlacementDecision(
-                        t["id"], result.node_id, t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], result.gpu_indexes,
+                        t.id, result.node_id, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, result.gpu_indexes,
                         self._snaps[result.node_id].capability_snapshot(),
                     )
                 )
