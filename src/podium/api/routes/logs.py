@@ -13,10 +13,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
-from podium.api.deps import StoreDep, Viewer, task_ref
+from podium.api.deps import EventHubDep, StoreDep, Viewer, task_ref
 from podium.api.events import EventHub
 from podium.api.models import LogChunkOut, LogsOut
 from podium.api.paging import ERRORS
@@ -26,13 +26,6 @@ from podium.store import Store
 from podium.store.rows import LogChunkRow
 
 router = APIRouter()
-
-
-def _event_hub(request: Request) -> EventHub:
-    return request.app.state.event_hub
-
-
-EventHubDep = Annotated[EventHub, Depends(_event_hub)]
 
 BIGINT_MAX = 2**63 - 1
 _CURSOR = re.compile(r"^(\d{1,19})\.(\d{1,19})\.(stdout|stderr)$")
