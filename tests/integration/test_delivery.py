@@ -88,7 +88,8 @@ async def test_a_secret_sealed_with_another_key_is_told_as_undecryptable_not_mis
     assert [(a["state"], a["reason"]) for a in attempts] == [("revoked", reasons.SECRET_UNREADABLE)]
     assert sent(s, "assign") == []
     # the detail beside the reason: which secret, and this server's key
-    (entry,) = await audit_of(store, tid)
+    # the audit entry is its own write, just after the task's end
+    (entry,) = await _eventually(lambda: audit_of(store, tid), what="the audit entry")
     assert entry["detail"]["secret"] == "db" and entry["detail"]["key_id"] == ours.key_id != theirs.key_id
     assert entry["detail"]["reason"] == reasons.SECRET_UNREADABLE
     # and a line for the operator that names the secret and the key, never the value
@@ -107,7 +108,8 @@ async def test_a_deleted_secret_is_still_told_as_missing(store: Store) -> None:
         t = await _eventually(lambda: _ended(store, tid), what="the task to end")
     assert (t["state"], t["reason"]) == ("failed", reasons.SECRET_MISSING)
     assert sent(s, "assign") == []
-    (entry,) = await audit_of(store, tid)
+    # the audit entry is its own write, just after the task's end
+    (entry,) = await _eventually(lambda: audit_of(store, tid), what="the audit entry")
     assert entry["detail"]["secret"] == "db" and "key_id" not in entry["detail"]
 
 
