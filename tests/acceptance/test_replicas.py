@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
@@ -38,6 +39,7 @@ import pytest
 from podium.timing import timing_from_env
 from tests import harness
 from tests.acceptance.conftest import Cluster
+from tests.conftest import PG15_URL
 from tests.harness import (
     Agent,
     Server,
@@ -348,13 +350,16 @@ def test_three_replicas_twenty_agents(cluster: Cluster) -> None:
 READS = ("SKIP LOCKED", "gpus_in_use")
 
 
+PG_PORT = urlsplit(PG15_URL).port or 5432
+
+
 def db_ports(pid: int) -> list[int]:
     """The local ports of a process's connections to PostgreSQL: pg_stat_activity.client_port."""
     try:
         conns = psutil.Process(pid).net_connections(kind="tcp")
     except psutil.Error:
         return []
-    return [c.laddr.port for c in conns if c.raddr and c.raddr.port == 5432]
+    return [c.laddr.port for c in conns if c.raddr and c.raddr.port == PG_PORT]
 
 
 @dataclass
