@@ -82,13 +82,16 @@ async def test_a_secret_sealed_with_another_key_is_told_as_undecryptable_not_mis
     with caplog.at_level(logging.ERROR, logger="podium.gateway.outbox"):
         async with delivering(store, Security(store, ours)) as (_gw, s):
             t = await _eventually(lambda: _ended(store, tid), what="the task to end")
+            # the audit entry is the delivery loop's next write, just after the end: wait for it
+            # before the loop stops
+            audits = await _eventually(lambda: audit_of(store, tid), what="the audit entry")
     assert (t.state, t.reason) == ("failed", reasons.SECRET_UNREADABLE)
     assert t.reason != reasons.SECRET_MISSING
     _, attempts, _ = await store.task_detail(tid)
     assert [(a.state, a.reason) for a in attempts] == [("revoked", reasons.SECRET_UNREADABLE)]
     assert sent(s, "assign") == []
     # the detail beside the reason: which secret, and this server's key
-    (entry,) = await audit_of(store, tid)
+    (entry,) = audits
     assert entry.detail["secret"] == "db" and entry.detail["key_id"] == ours.key_id != theirs.key_id
     assert entry.detail["reason"] == reasons.SECRET_UNREADABLE
     # and a line for the operator that names the secret and the key, never the value
@@ -105,9 +108,10 @@ async def test_a_deleted_secret_is_still_told_as_missing(store: Store) -> None:
     await store.delete_secret("db")  # after the submission, before the delivery
     async with delivering(store, sec) as (_gw, s):
         t = await _eventually(lambda: _ended(store, tid), what="the task to end")
+        audits = await _eventually(lambda: audit_of(store, tid), what="the audit entry")
     assert (t.state, t.reason) == ("failed", reasons.SECRET_MISSING)
     assert sent(s, "assign") == []
-    (entry,) = await audit_of(store, tid)
+    (entry,) = audits
     assert entry.detail["secret"] == "db" and "key_id" not in entry.detail
 
 
