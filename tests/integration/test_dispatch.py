@@ -264,3 +264,31 @@ async def test_a_task_not_looked_at_is_told_its_reason_within_a_tick(store: Stor
     assert again.unplaced == looked.unplaced and again.reasons_written == 0
     async with store.pool.acquire() as c:  # no row was written for a reason that did not change
         assert await c.fetch("SELECT id, xmin::text, updated_at FROM tasks WHERE id = ANY($1) ORDER BY id", waiting) == marks
+
+
+async def test_a_claimed_spec_is_decoded_once_while_it_stays_the_same(store: Store, monkeypatch: Any) -> None:
+    """Every look at the whole window claims the same waiting rows again; a spec is decoded the first
+    time its text is seen only, and the answers stay those of a fresh decode."""
+    import dataclasses
+    import json
+    import types
+
+    from podium.scheduler import dispatch as dispatch_module
+    from podium.scheduler.service import Scheduler
+    from podium.timing import DEFAULT_TIMING
+
+    decoded: list[str] = []
+    monkeypatch.setattr(dispatch_module, "json", types.SimpleNamespace(loads=lambda s: decoded.append(s) or json.loads(s)))
+    await add_node(store, "n1", slots=1, labels={"zone": "a"})
+    ids = [await submit(store, command=["true", str(i)]) for i in range(5)]  # five different specs
+    eager = Scheduler(store, dataclasses.replace(DEFAULT_TIMING, tick=0.0), server_id="eager")  # always the whole window
+    first = await eager.dispatch_once()
+    assert [a[0] for a in first.assigned] == ids[:1] and len(decoded) == 5
+    second = await eager.dispatch_once()
+    assert second.unplaced == first.unplaced == {t: reasons.FULL for t in ids[1:]} and len(decoded) == 5
+    elsewhere = await submit(store, labels={"zone": "b"})
+    third = await eager.dispatch_once()
+    assert third.unplaced[elsewhere] == reasons.NO_LABELS and len(decoded) == 6
+    alike = [await submit(store, command=["true", "0"]) for _ in range(3)]  # the same spec as a waiting one
+    fourth = await eager.dispatch_once()
+    assert {fourth.unplaced[t] for t in alike} == {reasons.FULL} and len(decoded) == 6

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,9 @@ from podium.timing import Timing
 log = logging.getLogger(__name__)
 
 WINDOW_POLL = 0.02  # seconds between looks at a full assignment window
+# Requirements kept between passes, keyed by everything they are made of (the spec's text among it,
+# so a changed spec is simply another key); dropped all at once past this many.
+REQUIREMENTS_KEPT = 8192
 FULL_NODE_READ_EVERY = 60.0  # seconds between reads of every node row (in between: changed rows only)
 
 
@@ -138,10 +142,7 @@ class DispatchPass:
         placed: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}
         for t in tasks:
-            req = requirements(
-                t["spec"], t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], t["avoid"], t["image_digest"]
-            )
-            result = self.placer.place(req)
+            result = self.placer.place(self.dispatcher.requirements_of(t))
             if isinstance(result, Unplaceable):
                 unplaced[t["id"]] = result.reason
             else:
@@ -168,6 +169,7 @@ class Dispatcher:
         self._horizon: int | None = None
         self._nodes_read_all_at = float("-inf")
         self._window_looked_at = float("-inf")  # the last pass that looked at the whole window
+        self._requirements: dict[tuple[Any, ...], Requirements] = {}
 
     async def _pass(self) -> float | None:
         outcome = await self.dispatch_once()
@@ -192,6 +194,20 @@ class Dispatcher:
         metrics.DISPATCH_REASONS_WRITTEN.inc(outcome.reasons_written)
         outcome.limit = limit
         return outcome
+
+    def requirements_of(self, t: Record) -> Requirements:
+        """The claimed row's requirements, decoded once per distinct row content: a queued task is
+        claimed again at every look at the whole window, and decoding its spec was most of the cost."""
+        key = (t["spec"], t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], tuple(t["avoid"]), t["image_digest"])
+        req = self._requirements.get(key)
+        if req is None:
+            if len(self._requirements) >= REQUIREMENTS_KEPT:
+                self._requirements.clear()
+            req = self._requirements[key] = requirements(
+                json.loads(t["spec"]), t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], t["avoid"],
+                t["image_digest"],
+            )
+        return req
 
     def plan(self, *, whole_window: bool) -> DispatchPass:
         return DispatchPass(self, whole_window=whole_window)

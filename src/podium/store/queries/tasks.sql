@@ -150,8 +150,10 @@ ORDER BY n.id FOR NO KEY UPDATE
 -- the nodes earlier attempts were lost on, revoked from or failed on: placement tries others first.
 -- A container task is claimed only once its image is resolved to a digest (the resolver loop): what
 -- a node is assigned must already name exactly one image. A pass claims in chunks, in this order;
--- $2 is what it claimed already (its own locks are not skipped by SKIP LOCKED).
-SELECT t.id, t.spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
+-- $2 is what it claimed already (its own locks are not skipped by SKIP LOCKED). The spec comes as
+-- its text: the dispatcher decodes a spec it has not seen before only (the same rows come back at
+-- every look at the whole window).
+SELECT t.id, t.spec::text AS spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
        ARRAY(SELECT DISTINCT a.node_id FROM attempts a
              WHERE a.task_id = t.id AND a.state IN ('revoked', 'lost', 'failed')) AS avoid
 FROM tasks t
