@@ -237,7 +237,17 @@ class Api:
 
     def wait_state(self, tid: str, states: str | tuple[str, ...], timeout: float = 60) -> dict[str, Any]:
         want = (states,) if isinstance(states, str) else states
-        return wait_for(lambda: (t := self.task(tid))["state"] in want and t, timeout, what=f"task {tid} to be {want}")
+        last: dict[str, Any] = {}
+
+        def check() -> dict[str, Any] | None:
+            last.update(self.task(tid))
+            return dict(last) if last["state"] in want else None
+
+        try:
+            return wait_for(check, timeout, what=f"task {tid} to be {want}")
+        except AssertionError as e:
+            # what the task said last is the first thing anyone reading the failure needs
+            raise AssertionError(f"{e}; it was {last.get('state')!r}: {last.get('reason')!r}") from None
 
     def wait_node(self, name: str, timeout: float = 60, **want: Any) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:

@@ -17,7 +17,6 @@ stored) is retried only when the caller gives `overload_patience`.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
@@ -713,6 +712,8 @@ class AsyncClient:
         await self.close()
 
     async def _send(self, call: Call[Any]) -> httpx.Response:
+        import asyncio  # here, not at the top: a sync Client's program (the CLI) need not load it
+
         overload = _Overload(self._patience, self._on_overload)
         while True:
             try:
@@ -733,6 +734,8 @@ class AsyncClient:
         return pager.rows
 
     async def _stream(self, s: _Stream) -> AsyncIterator[tuple[str, str]]:
+        import asyncio  # as in _send
+
         while not s.ended:
             try:
                 async with self.http.stream("GET", s.path, params=s.params, headers=s.headers(), timeout=_STREAM_TIMEOUT) as r:

@@ -29,7 +29,7 @@ async def add_node(store: Store, node_id: str = "n1", *, slots: int = 4, cpu: in
 async def submit(store: Store, **spec: Any) -> uuid.UUID:
     spec.setdefault("command", ["true"])
     row, _ = await store.submit(TaskSpec(**spec))
-    return row["id"]
+    return row.id
 
 
 def scheduler(store: Store) -> Scheduler:

@@ -107,7 +107,7 @@ async def _prepare(url: str, key: bytes) -> tuple[str, str]:
         row, token = await Security(store, SecretBox(key)).create_token("fuzzer", Role.ADMIN, by="test")
         await add_node(store, "fuzz-node", labels={"zone": "eu-1"})
         await store.submit(TaskSpec(command=["true"], name="seeded"))
-        return row["id"], token
+        return row.id, token
     finally:
         await store.close()
 

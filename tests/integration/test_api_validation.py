@@ -61,14 +61,14 @@ async def api(e2e_db_url: str) -> AsyncIterator[Api]:
         _row, token = await security.create_token(f"test-{role}", role, by="test")
         tokens[str(role)] = f"Bearer {token}"
     revoked, token = await security.create_token("test-revoked", Role.OPERATOR, by="test")
-    await store.revoke_token(revoked["id"])
+    await store.revoke_token(revoked.id)
     tokens["revoked"] = f"Bearer {token}"
     await add_node(store, "n1", labels={"zone": "eu-1"})
     row, _ = await store.submit(TaskSpec(command=["true"], name="seeded"))
     app = create_app(store, scheduler, security)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://podium") as client:
-        yield Api(client, store, tokens, row["id"])
+        yield Api(client, store, tokens, row.id)
     await scheduler.close()
     await store.close()
 

@@ -70,7 +70,7 @@ async def assigned_task(store: Store, **spec: Any) -> uuid.UUID:
 
 
 async def audit_of(store: Store, tid: uuid.UUID) -> list[Any]:
-    return [a for a in await store.read_audit(100) if a["target"] == str(tid) and a["action"] == "task.undeliverable"]
+    return [a for a in await store.read_audit(100) if a.target == str(tid) and a.action == "task.undeliverable"]
 
 
 async def test_a_secret_sealed_with_another_key_is_told_as_undecryptable_not_missing(
@@ -82,15 +82,18 @@ async def test_a_secret_sealed_with_another_key_is_told_as_undecryptable_not_mis
     with caplog.at_level(logging.ERROR, logger="podium.gateway.outbox"):
         async with delivering(store, Security(store, ours)) as (_gw, s):
             t = await _eventually(lambda: _ended(store, tid), what="the task to end")
-    assert (t["state"], t["reason"]) == ("failed", reasons.SECRET_UNREADABLE)
-    assert t["reason"] != reasons.SECRET_MISSING
+            # the audit entry is the delivery loop's next write, just after the end: wait for it
+            # before the loop stops
+            audits = await _eventually(lambda: audit_of(store, tid), what="the audit entry")
+    assert (t.state, t.reason) == ("failed", reasons.SECRET_UNREADABLE)
+    assert t.reason != reasons.SECRET_MISSING
     _, attempts, _ = await store.task_detail(tid)
-    assert [(a["state"], a["reason"]) for a in attempts] == [("revoked", reasons.SECRET_UNREADABLE)]
+    assert [(a.state, a.reason) for a in attempts] == [("revoked", reasons.SECRET_UNREADABLE)]
     assert sent(s, "assign") == []
     # the detail beside the reason: which secret, and this server's key
-    (entry,) = await audit_of(store, tid)
-    assert entry["detail"]["secret"] == "db" and entry["detail"]["key_id"] == ours.key_id != theirs.key_id
-    assert entry["detail"]["reason"] == reasons.SECRET_UNREADABLE
+    (entry,) = audits
+    assert entry.detail["secret"] == "db" and entry.detail["key_id"] == ours.key_id != theirs.key_id
+    assert entry.detail["reason"] == reasons.SECRET_UNREADABLE
     # and a line for the operator that names the secret and the key, never the value
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("'db'" in m and ours.key_id in m for m in errors), errors
@@ -105,10 +108,11 @@ async def test_a_deleted_secret_is_still_told_as_missing(store: Store) -> None:
     await store.delete_secret("db")  # after the submission, before the delivery
     async with delivering(store, sec) as (_gw, s):
         t = await _eventually(lambda: _ended(store, tid), what="the task to end")
-    assert (t["state"], t["reason"]) == ("failed", reasons.SECRET_MISSING)
+        audits = await _eventually(lambda: audit_of(store, tid), what="the audit entry")
+    assert (t.state, t.reason) == ("failed", reasons.SECRET_MISSING)
     assert sent(s, "assign") == []
-    (entry,) = await audit_of(store, tid)
-    assert entry["detail"]["secret"] == "db" and "key_id" not in entry["detail"]
+    (entry,) = audits
+    assert entry.detail["secret"] == "db" and "key_id" not in entry.detail
 
 
 async def test_a_readable_secret_is_sent(store: Store) -> None:
@@ -119,12 +123,12 @@ async def test_a_readable_secret_is_sent(store: Store) -> None:
     async with delivering(store, sec) as (_gw, s):
         got = await _eventually(lambda: _sent_async(s, "assign"), what="the Assign")
     assert [(a.task_id, [(v.env, v.value) for v in a.secrets]) for a in got] == [(str(tid), [("DB", "v4lue")])]
-    assert (await store.get_task(tid))["state"] == "assigned"
+    assert (await store.get_task(tid)).state == "assigned"
 
 
 async def _ended(store: Store, tid: uuid.UUID) -> Any:
     t = await store.get_task(tid)
-    return t if t["state"] in ("succeeded", "failed", "cancelled", "lost", "queued") else None
+    return t if t.state in ("succeeded", "failed", "cancelled", "lost", "queued") else None
 
 
 async def _sent_async(s: Session, kind: str) -> list[Any]:
@@ -198,13 +202,13 @@ async def test_a_store_outage_while_reading_secrets_retries_and_neither_fails_no
 
                 await _eventually(tried_twice, what="two tries against the unavailable store")
                 t = await store.get_task(tid)
-                assert (t["state"], t["reason"]) == ("assigned", None)
+                assert (t.state, t.reason) == ("assigned", None)
                 assert sent(s, "assign") == []
                 await proxy.open()  # the database is back
                 got = await _eventually(lambda: _sent_async(s, "assign"), what="the Assign after the outage")
         assert [(a.task_id, [(v.env, v.value) for v in a.secrets]) for a in got] == [(str(tid), [("DB", "v4lue")])]
         t = await store.get_task(tid)
-        assert (t["state"], t["reason"], t["attempts"]) == ("assigned", None, 1)
+        assert (t.state, t.reason, t.attempts) == ("assigned", None, 1)
         assert not [r for r in caplog.records if reasons.SECRET_MISSING in r.getMessage()]
     finally:
         await secrets_store.close()

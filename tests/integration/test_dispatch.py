@@ -14,7 +14,7 @@ async def test_no_node_gives_the_seed_reason(store: Store) -> None:
     tid = await submit(store)
     out = await place(store)
     assert out.assigned == [] and out.unplaced == {tid: reasons.NO_NODES}
-    assert (await store.get_task(tid))["reason"] == reasons.NO_NODES
+    assert (await store.get_task(tid)).reason == reasons.NO_NODES
 
 
 async def test_placement_writes_attempt_token_lease_and_reservation(store: Store) -> None:
@@ -30,11 +30,11 @@ async def test_placement_writes_attempt_token_lease_and_reservation(store: Store
     n = await node_row(store, "n1")
     assert (n["res_slots"], n["res_cpu_millis"], n["res_memory_bytes"]) == (2, 2000, 2 * 2**30)
     t = await store.get_task(t1)
-    assert t["state"] == "assigned" and t["node_id"] == "n1" and t["attempts"] == 1
-    assert t["lease_expires_at"] is not None and t["accept_deadline"] is not None
+    assert t.state == "assigned" and t.node_id == "n1" and t.attempts == 1
+    assert t.lease_expires_at is not None and t.accept_deadline is not None
     _, attempts, events = await store.task_detail(t1)
-    assert [(a["attempt"], a["node_id"], a["fencing_token"]) for a in attempts] == [(1, "n1", t["fencing_token"])]
-    assert [(e["from_state"], e["to_state"]) for e in events] == [(None, "queued"), ("queued", "assigned")]
+    assert [(a.attempt, a.node_id, a.fencing_token) for a in attempts] == [(1, "n1", t.fencing_token)]
+    assert [(e.from_state, e.to_state) for e in events] == [(None, "queued"), ("queued", "assigned")]
 
 
 async def test_concurrent_dispatchers_never_over_reserve_or_double_place(store: Store) -> None:
@@ -129,7 +129,7 @@ async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_ch
         begin = p.begin
 
         def seeing(changed, horizon, operations):  # type: ignore[no-untyped-def]
-            seen.append({r["id"] for r in changed})
+            seen.append({r.id for r in changed})
             return begin(changed, horizon, operations)
 
         p.begin = seeing  # type: ignore[method-assign]
@@ -181,10 +181,10 @@ async def test_the_watchdog_gives_a_removed_nodes_tasks_the_removal_as_reason(st
     await store.revoke_node("n1")
     await scheduler(store).sweep()  # before the removal's own pass (Scheduler.node_removed)
     t_keep, t_again = await store.get_task(keep), await store.get_task(again)
-    assert (t_keep["state"], t_keep["reason"]) == ("lost", reasons.NODE_REVOKED)
-    assert (t_again["state"], t_again["reason"]) == ("queued", reasons.NODE_REVOKED)
+    assert (t_keep.state, t_keep.reason) == ("lost", reasons.NODE_REVOKED)
+    assert (t_again.state, t_again.reason) == ("queued", reasons.NODE_REVOKED)
     await scheduler(store).node_removed("n1")  # then the removal's pass finds nothing left to do
-    assert (await store.get_task(keep))["state"] == "lost"
+    assert (await store.get_task(keep)).state == "lost"
 
 
 def _patient(store: Store) -> Any:
@@ -221,7 +221,7 @@ async def test_a_pass_claims_only_what_the_free_room_could_take(store: Store) ->
     one = await sched.dispatch_once()
     assert one.claimed == 1 and [a[0] for a in one.assigned] == [ids[2]]  # the oldest, in claim order
     for tid in ids[3:]:
-        assert (await store.get_task(tid))["reason"] == reasons.FULL  # untouched, still true
+        assert (await store.get_task(tid)).reason == reasons.FULL  # untouched, still true
 
 
 async def test_tasks_no_free_node_can_run_do_not_hide_the_ones_behind_them(store: Store) -> None:
@@ -242,7 +242,7 @@ async def test_tasks_no_free_node_can_run_do_not_hide_the_ones_behind_them(store
     assert out.claimed == 16
     assert out.unplaced == {t: reasons.NO_LABELS for t in picky} | {t: reasons.FULL for t in later[:6]}
     for tid in later[6:]:
-        assert (await store.get_task(tid))["reason"] == reasons.WAITING  # not looked at yet
+        assert (await store.get_task(tid)).reason == reasons.WAITING  # not looked at yet
 
 
 async def test_a_task_not_looked_at_is_told_its_reason_within_a_tick(store: Store) -> None:
@@ -255,7 +255,7 @@ async def test_a_task_not_looked_at_is_told_its_reason_within_a_tick(store: Stor
     assert len((await sched.dispatch_once()).assigned) == 1
     waiting = [await submit(store) for _ in range(3)]
     out = await sched.dispatch_once()
-    assert out.claimed == 0 and [(await store.get_task(t))["reason"] for t in waiting] == [reasons.WAITING] * 3
+    assert out.claimed == 0 and [(await store.get_task(t)).reason for t in waiting] == [reasons.WAITING] * 3
     looked = await _patient(store).dispatch_once()  # a tick later: the whole window
     assert looked.unplaced == {t: reasons.FULL for t in waiting} and looked.reasons_written == 3
     async with store.pool.acquire() as c:

@@ -52,6 +52,7 @@ from podium.spec import TaskSpec
 from podium.states import ALLOWED, ATTEMPT_LIVE, ON_NODE, TERMINAL, TaskState
 from podium.store import Store
 from podium.store.db import DispatchOutcome
+from podium.store.rows import TaskFactsRow
 from podium.timing import DEFAULT_TIMING
 
 S = TaskState
@@ -506,9 +507,9 @@ class Model:
         spec = TaskSpec(command=["true"], resources={"cpu": f"{a.cpu}m", "memory": "64Mi", "gpus": a.gpus},
                         max_attempts=a.max_attempts, requeue_on_node_loss=a.requeue, timeout=a.timeout)  # fmt: skip
         row, created = self.run(self.store.submit(spec))
-        assert created and row["state"] == "queued"
-        self.tasks.append(row["id"])
-        return f"{self.label(row['id'])} = {row['id']}"
+        assert created and row.state == "queued"
+        self.tasks.append(row.id)
+        return f"{self.label(row.id)} = {row.id}"
 
     def dispatch(self) -> str:
         before = self.world()
@@ -551,7 +552,7 @@ class Model:
         elif a.signer == "wrong_node":
             others = [n for n in self.nodes if n != node]
             node = others[a.other % len(others)]
-        f = facts(row)
+        f = facts(TaskFactsRow.of(row))  # the world's row is a plain dict
         step = policy.on_node_event(f, a.kind, a.code if a.kind == protocol.EXITED else None, T)
         done = self.run(self.sched.applier.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node))
         after = self.world()
@@ -574,7 +575,7 @@ class Model:
         pool = alive if alive and a.task % 4 else self.tasks
         tid = pool[a.task % len(pool)]
         before = TaskState(w.tasks[tid]["state"])
-        after = TaskState(self.run(self.sched.cancel(tid, "operator"))["state"])
+        after = TaskState(self.run(self.sched.cancel(tid, "operator")).state)
         if before == S.QUEUED:
             assert after == S.CANCELLED, f"cancelling a queued task left it {after}"
         elif before in (S.ASSIGNED, S.PROVISIONING, S.RUNNING):
@@ -617,13 +618,13 @@ class Model:
         if not a.forgot:
             return nid
         for r in self.run(self.store.tasks_on_node(nid)):
-            if r["state"] == S.ASSIGNED:
-                self.run(self.store.redeliver([r["fencing_token"]]))
+            if r.state == S.ASSIGNED:
+                self.run(self.store.redeliver([r.fencing_token]))
                 continue
-            f = facts(self.run(self.store.get_task(r["id"])))
+            f = facts(self.run(self.store.get_task(r.id)))
             step = policy.on_node_loss(f, reasons.NODE_FORGOT)
-            done = self.run(self.sched.applier.apply(r["id"], f.state, step, actor=f"node:{nid}",
-                                             fencing_token=r["fencing_token"], node_id=nid))  # fmt: skip
+            done = self.run(self.sched.applier.apply(r.id, f.state, step, actor=f"node:{nid}",
+                                             fencing_token=r.fencing_token, node_id=nid))  # fmt: skip
             assert (done is not None) == (step is not None), f"NODE_FORGOT on a {f.state} task: step {step}, result {done}"
         return nid
 
@@ -642,7 +643,7 @@ class Model:
         self.revoked.add(nid)
         self.run(self.sched.node_removed(nid))
         left = self.run(self.store.tasks_on_node(nid))
-        assert not left, f"tasks still on removed node {nid}: {[(r['id'], r['state']) for r in left]}"
+        assert not left, f"tasks still on removed node {nid}: {[(r.id, r.state) for r in left]}"
         return nid
 
     # ---- races ----------------------------------------------------------------------------------
@@ -701,7 +702,7 @@ class Model:
         node, decide, compare-and-set; read again if the task moved in between."""
         for _ in range(5):
             row = await self.store.get_task(tid)
-            if row["fencing_token"] != token or row["node_id"] != node:
+            if row.fencing_token != token or row.node_id != node:
                 return f"{kind} refused (stale)"
             f = facts(row)
             step = policy.on_node_event(f, kind, code if kind == protocol.EXITED else None, T)
@@ -716,12 +717,12 @@ class Model:
         if await hello(self.store, nid, slots, self.gpus[nid]) is None:
             return f"{nid} refused"
         for r in await self.store.tasks_on_node(nid):
-            if r["state"] == S.ASSIGNED:
-                await self.store.redeliver([r["fencing_token"]])
+            if r.state == S.ASSIGNED:
+                await self.store.redeliver([r.fencing_token])
                 continue
-            f = facts(await self.store.get_task(r["id"]))
-            await sched.applier.apply(r["id"], f.state, policy.on_node_loss(f, reasons.NODE_FORGOT), actor=f"node:{nid}",
-                              fencing_token=r["fencing_token"], node_id=nid)  # fmt: skip
+            f = facts(await self.store.get_task(r.id))
+            await sched.applier.apply(r.id, f.state, policy.on_node_loss(f, reasons.NODE_FORGOT), actor=f"node:{nid}",
+                              fencing_token=r.fencing_token, node_id=nid)  # fmt: skip
         return f"{nid} back"
 
     async def _revoke(self, sched: Scheduler, nid: str) -> str:

@@ -47,28 +47,28 @@ async def test_chunks_read_back_in_seq_order_once_each(store: Store) -> None:
     await store.insert_logs(chunks[:60])
     await store.insert_logs(chunks)
     rows = await store.read_logs(tid, limit=1000)
-    assert [r["seq"] for r in rows] == list(range(100))
-    assert [bytes(r["data"]) for r in rows] == [c[5] for c in chunks]
-    assert [r["byte_offset"] for r in rows] == [c[4] for c in chunks]
+    assert [r.seq for r in rows] == list(range(100))
+    assert [bytes(r.data) for r in rows] == [c[5] for c in chunks]
+    assert [r.byte_offset for r in rows] == [c[4] for c in chunks]
 
     # from a position: exactly what follows it
     last = rows[41]
-    rest = await store.read_logs(tid, after=(last["fencing_token"], last["seq"], last["stream"]), limit=1000)
-    assert [r["seq"] for r in rest] == list(range(42, 100))
+    rest = await store.read_logs(tid, after=(last.fencing_token, last.seq, last.stream), limit=1000)
+    assert [r.seq for r in rest] == list(range(42, 100))
     # one stream from a byte: the chunks that hold it and what follows
     err = await store.read_logs(tid, stream="stderr", offset=13, limit=1000)
-    assert err[0]["byte_offset"] <= 13 < err[0]["byte_offset"] + len(err[0]["data"])
-    assert b"".join(bytes(r["data"]) for r in err)[13 - err[0]["byte_offset"] :] == b"".join(e for _o, e in lines)[13:]
+    assert err[0].byte_offset <= 13 < err[0].byte_offset + len(err[0].data)
+    assert b"".join(bytes(r.data) for r in err)[13 - err[0].byte_offset :] == b"".join(e for _o, e in lines)[13:]
     # the first API's cursor: a chunk's id names its position
-    pos = await store.log_position(tid, rows[10]["id"])
-    assert pos == (token, 10, rows[10]["stream"])
+    pos = await store.log_position(tid, rows[10].id)
+    assert pos == (token, 10, rows[10].stream)
     assert await store.log_position(tid, 10**12) is None
 
 
 async def test_chunks_of_an_attempt_not_on_that_node_are_not_stored(store: Store) -> None:
     tid, token = await placed(store)
     await store.insert_logs([(tid, token, "stdout", 0, 0, b"mine\n", "n1"), (tid, token, "stdout", 1, 5, b"not\n", "n2")])
-    assert [bytes(r["data"]) for r in await store.read_logs(tid)] == [b"mine\n"]
+    assert [bytes(r.data) for r in await store.read_logs(tid)] == [b"mine\n"]
 
 
 @pytest.fixture
@@ -115,8 +115,8 @@ async def test_output_stored_before_offsets_keeps_its_bytes_and_order_within_eac
             )  # fmt: skip
         assert "0006_log_offsets.sql" in await store.migrate()
         rows = await store.read_logs(tid)
-        assert [r["seq"] for r in rows] == [0, 1, 2, 3]
-        assert [(r["stream"], bytes(r["data"]), r["byte_offset"]) for r in rows] == [
+        assert [r.seq for r in rows] == [0, 1, 2, 3]
+        assert [(r.stream, bytes(r.data), r.byte_offset) for r in rows] == [
             ("stderr", b"e1\n", 0), ("stdout", b"o1\n", 0), ("stderr", b"e2\n", 3), ("stdout", b"o2\n", 3)]  # fmt: skip
     finally:
         await store.close()

@@ -38,13 +38,13 @@ async def make_due(store: Store) -> None:
 async def placed(store: Store, **spec: Any) -> uuid.UUID:
     tid = await submit(store, **spec)
     await place(store)
-    assert (await store.get_task(tid))["state"] == "assigned"
+    assert (await store.get_task(tid)).state == "assigned"
     return tid
 
 
 async def to_running(store: Store, tid: uuid.UUID) -> None:
     row = await store.get_task(tid)
-    tok, node = row["fencing_token"], row["node_id"]
+    tok, node = row.fencing_token, row.node_id
     assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.PROVISIONING, actor="node", fencing_token=tok,
                                        node_id=node, attempt_state="provisioning")  # fmt: skip
     assert await store.transition_task(tid, TaskState.PROVISIONING, TaskState.RUNNING, actor="node", fencing_token=tok,
@@ -70,7 +70,7 @@ async def test_a_live_claim_is_respected_and_an_expired_one_taken_over(store: St
     await make_due(store)
     a_store = ReconcileStore(store)
     claimed = await a_store.claim("replica-a", 10, 60.0)
-    assert [r["task_id"] for r in claimed] == [tid]
+    assert [r.task_id for r in claimed] == [tid]
     b = reconciler(store, "replica-b")
     assert await b.once() == 0  # replica-a's claim is live: replica-b leaves it alone
     row = await attempt(store, tid)
@@ -99,7 +99,7 @@ async def test_an_attempt_on_an_offline_node_goes_through_the_node_loss_policy(s
     await make_due(store)
     assert await reconciler(store, "r").once() == 1
     task = await store.get_task(tid)
-    assert (task["state"], task["reason"]) == ("queued", reasons.NODE_LOST)  # requeued: one attempt left
+    assert (task.state, task.reason) == ("queued", reasons.NODE_LOST)  # requeued: one attempt left
     row = await attempt(store, tid)
     assert (row["state"], row["last_reconcile_result"]) == ("lost", reasons.RECONCILED_NODE_OFFLINE)
 
@@ -114,14 +114,14 @@ async def test_a_node_whose_last_hello_left_out_a_running_attempt_loses_it(store
         node_id="n1", name="n1", pool="default", arch="x86_64", labels={}, capabilities=[], backends=["process"],
         artifacts=[], protocol_min=1, protocol_max=1, gpu_indexes=[], cpu_millis=4000, memory_bytes=8 * 2**30,
         disk_bytes=10 * 2**30, gpus=0, slots=4, gateway_id="test", agent_version="test",
-        hello_tokens=[(await store.get_task(kept))["fencing_token"]],
+        hello_tokens=[(await store.get_task(kept)).fencing_token],
     )  # fmt: skip
     await make_due(store)
     assert await reconciler(store, "r").once() == 2
-    assert (await store.get_task(kept))["state"] == "running"
+    assert (await store.get_task(kept)).state == "running"
     assert (await attempt(store, kept))["last_reconcile_result"] == reasons.RECONCILED_CONSISTENT
     task = await store.get_task(forgot)
-    assert (task["state"], task["reason"]) == ("lost", reasons.NODE_FORGOT)
+    assert (task.state, task.reason) == ("lost", reasons.NODE_FORGOT)
     assert (await attempt(store, forgot))["last_reconcile_result"] == reasons.RECONCILED_NODE_FORGOT
 
 
@@ -133,23 +133,23 @@ async def test_doubt_waits_a_disconnected_node_and_a_handover(store: Store) -> N
         await c.execute("UPDATE nodes SET connected = false WHERE id = 'n1'")
     await make_due(store)
     await reconciler(store, "r").once()
-    assert (await store.get_task(tid))["state"] == "running"
+    assert (await store.get_task(tid)).state == "running"
     assert (await attempt(store, tid))["last_reconcile_result"] == reasons.RECONCILED_DISCONNECTED
     async with store.pool.acquire() as c:  # another instance took over: its predecessor may still run it
         await c.execute("UPDATE nodes SET connected = true, hello_tokens = '{}', connected_at = now(), "
                         "handover_until = now() + interval '1 hour' WHERE id = 'n1'")  # fmt: skip
     await make_due(store)
     await reconciler(store, "r").once()
-    assert (await store.get_task(tid))["state"] == "running"
+    assert (await store.get_task(tid)).state == "running"
     assert (await attempt(store, tid))["last_reconcile_result"] == reasons.RECONCILED_HANDOVER
     # the deadline just passed, but the watchdog has not dealt with the handover yet: still the
     # handover's (its reason says the agent process was replaced), not a node that forgot its work
     async with store.pool.acquire() as c:
         await c.execute("UPDATE nodes SET handover_until = now() - interval '1 second', "
-                        "handover_tokens = ARRAY[$1::bigint] WHERE id = 'n1'", (await store.get_task(tid))["fencing_token"])  # fmt: skip
+                        "handover_tokens = ARRAY[$1::bigint] WHERE id = 'n1'", (await store.get_task(tid)).fencing_token)  # fmt: skip
     await make_due(store)
     await reconciler(store, "r").once()
-    assert (await store.get_task(tid))["state"] == "running"
+    assert (await store.get_task(tid)).state == "running"
     assert (await attempt(store, tid))["last_reconcile_result"] == reasons.RECONCILED_HANDOVER
 
 
@@ -158,7 +158,7 @@ async def test_a_retry_records_its_place_in_the_budget(store: Store) -> None:
     tid = await placed(store, max_attempts=3)
     row = await store.get_task(tid)
     assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.QUEUED, actor="t", end_attempt="revoked",
-                                       fencing_token=row["fencing_token"])  # fmt: skip
+                                       fencing_token=row.fencing_token)  # fmt: skip
     await place(store)
     a = await attempt(store, tid)
     assert (a["attempt"], a["retry_count"], a["retry_limit"]) == (2, 1, 2)
@@ -193,14 +193,14 @@ async def test_a_node_whose_runtime_changed_has_its_attempts_rechecked(store: St
     changed = hello_with("sha256:new", [a["fencing_token"]])
     decided = await store.instance_hello(node_id="n1", **facts, **hello_facts(changed))
     assert await revalidate(store, "n1", decided.materializations_before, changed) == [("process", "sha256:old", "sha256:new")]
-    events = [e for e in await store.node_events("n1") if e["kind"] == "runtime_changed"]
-    assert len(events) == 1 and events[0]["detail"]["rechecked"] == [a["fencing_token"]]
-    assert "sha256:old" in events[0]["message"] and "sha256:new" in events[0]["message"]
+    events = [e for e in await store.node_events("n1") if e.kind == "runtime_changed"]
+    assert len(events) == 1 and events[0].detail["rechecked"] == [a["fencing_token"]]
+    assert "sha256:old" in events[0].message and "sha256:new" in events[0].message
     # due at once, without anyone making it so: the reconcile loop says what it found
     assert await reconciler(store, "r").once() == 1
     row = await attempt(store, tid)
     assert row["last_reconcile_result"] == reasons.RECONCILED_RUNTIME_CHANGED
-    assert (await store.get_task(tid))["state"] == "running"
+    assert (await store.get_task(tid)).state == "running"
 
 
 async def test_a_node_prepares_no_more_than_its_operations_and_explain_says_so(store: Store) -> None:
@@ -208,7 +208,7 @@ async def test_a_node_prepares_no_more_than_its_operations_and_explain_says_so(s
     first, second = await submit(store), await submit(store)
     out = await place(store)
     assert [a[0] for a in out.assigned] == [first] and out.unplaced == {second: reasons.OPERATIONS_BUSY}
-    assert (await store.get_task(second))["reason"] == reasons.OPERATIONS_BUSY
+    assert (await store.get_task(second)).reason == reasons.OPERATIONS_BUSY
     _task, verdicts, _avoid = await Scheduler(store, DEFAULT_TIMING, server_id="x").explain(second)
     assert [(v.node_id, v.failed) for v, _row in verdicts] == [("n1", reasons.OPERATIONS_BUSY)]
     # once the first runs, its operation is free again: the second is placed
@@ -228,4 +228,4 @@ async def test_the_reservation_refuses_more_operations_than_the_node_allows(stor
     plan.begin = lambda nodes, horizon, ops: begin(nodes, horizon, {})  # type: ignore[method-assign]
     out = await sched.store.dispatch(claim_limit=10, accept_seconds=15, lease_seconds=300, actor="stale", plan=plan)
     assert out.assigned == [] and out.lost_races == 1
-    assert (await store.get_task(tid))["state"] == "queued"
+    assert (await store.get_task(tid)).state == "queued"

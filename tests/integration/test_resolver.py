@@ -63,7 +63,7 @@ async def container_node(store: Store, node_id: str = "n1") -> None:
 
 async def submit(store: Store, image: str = IMAGE, **spec: Any) -> uuid.UUID:
     row, _ = await store.submit(TaskSpec(backend="container", image=image, **spec))
-    return row["id"]
+    return row.id
 
 
 def resolver(store: Store, registry: RegistryStandIn, timing: Any = TIMING) -> ImageResolver:
@@ -76,7 +76,7 @@ def scheduler(store: Store) -> Scheduler:
 
 async def assign_sent(store: Store, node: str) -> list[dict[str, Any]]:
     """What the gateway would push to the node now: the specs of its Assigns."""
-    return [json.loads(r["spec"]) for r in await store.take_outbox([node]) if r["kind"] == "assign"]
+    return [json.loads(r.spec) for r in await store.take_outbox([node]) if r.kind == "assign"]
 
 
 async def test_an_unreachable_registry_keeps_the_task_queued_with_its_words_then_it_runs(store: Store) -> None:
@@ -91,19 +91,19 @@ async def test_an_unreachable_registry_keeps_the_task_queued_with_its_words_then
 
     assert await loop.resolve_once() == 1
     task = await store.get_task(tid)
-    assert (task["state"], task["image_digest"]) == ("queued", None)
-    assert task["reason"] == reasons.REGISTRY_UNREACHABLE
-    assert task["reason_detail"] == "dial tcp 127.0.0.1:5000: connect: connection refused"
-    assert task["resolve_tries"] == 1
+    assert (task.state, task.image_digest) == ("queued", None)
+    assert task.reason == reasons.REGISTRY_UNREACHABLE
+    assert task.reason_detail == "dial tcp 127.0.0.1:5000: connect: connection refused"
+    assert task.resolve_tries == 1
     out = await scheduler(store).dispatch_once()
-    assert out.claimed == 0 and (await store.get_task(tid))["reason"] == reasons.REGISTRY_UNREACHABLE
+    assert out.claimed == 0 and (await store.get_task(tid)).reason == reasons.REGISTRY_UNREACHABLE
     # a loopback registry may speak plain HTTP, as Docker allows; no login is stored for it
     assert registry.calls == [(IMAGE, None, True)]
 
     assert await loop.resolve_once() == 1  # the retry is due (no backoff in this Timing)
     task = await store.get_task(tid)
-    assert (task["image_digest"], task["reason"], task["reason_detail"]) == (D1, reasons.WAITING, None)
-    assert task["resolved_at"] is not None and task["image"] == IMAGE
+    assert (task.image_digest, task.reason, task.reason_detail) == (D1, reasons.WAITING, None)
+    assert task.resolved_at is not None and task.image == IMAGE
 
     out = await scheduler(store).dispatch_once()
     assert [t for t, _n, _tok in out.assigned] == [tid]
@@ -142,11 +142,11 @@ async def test_an_image_that_does_not_exist_fails_the_task_with_the_registrys_wo
     tid = await submit(store)
     await resolver(store, RegistryStandIn(ImageNotFound("", "MANIFEST_UNKNOWN: manifest unknown; tag=1.4"))).resolve_once()
     task, attempts, events = await store.task_detail(tid)
-    assert (task["state"], task["reason"], task["reason_detail"]) == ("failed", reasons.IMAGE_NOT_FOUND,
+    assert (task.state, task.reason, task.reason_detail) == ("failed", reasons.IMAGE_NOT_FOUND,
                                                                       "MANIFEST_UNKNOWN: manifest unknown; tag=1.4")  # fmt: skip
-    assert attempts == [] and task["finished_at"] is not None
+    assert attempts == [] and task.finished_at is not None
     ev = events[-1]
-    assert (ev["from_state"], ev["to_state"], ev["reason"], ev["failure_class"], ev["detail"]) == (
+    assert (ev.from_state, ev.to_state, ev.reason, ev.failure_class, ev.detail) == (
         "queued", "failed", reasons.IMAGE_NOT_FOUND, failures.PROVISIONING, "MANIFEST_UNKNOWN: manifest unknown; tag=1.4")
 
 
@@ -166,7 +166,7 @@ async def test_refused_credentials_fail_the_task_and_the_stored_login_is_the_one
     ])  # fmt: skip
     for t in (tid, anonymous):
         task = await store.get_task(t)
-        assert (task["state"], task["reason"], task["reason_detail"]) == (
+        assert (task.state, task.reason, task.reason_detail) == (
             "failed", reasons.REGISTRY_REFUSED, "UNAUTHORIZED: authentication required")
 
 
@@ -177,8 +177,8 @@ async def test_one_question_per_image_and_a_digest_needs_none(store: Store) -> N
     registry = RegistryStandIn(D1)
     assert await resolver(store, registry).resolve_once() == 4
     assert registry.calls == [(IMAGE, None, True)]
-    assert [(await store.get_task(t))["image_digest"] for t in same] == [D1, D1, D1]
-    assert (await store.get_task(pinned))["image_digest"] == D2
+    assert [(await store.get_task(t)).image_digest for t in same] == [D1, D1, D1]
+    assert (await store.get_task(pinned)).image_digest == D2
     out = await scheduler(store).dispatch_once()
     assert len(out.assigned) == 4
     assert sorted(s["image"] for s in await assign_sent(store, "n1")) == sorted(
@@ -190,13 +190,13 @@ async def test_a_cancel_while_resolving_wins_and_a_claimed_task_is_not_claimed_t
     tid = await submit(store)
     other = await submit(store)
     claimed = await store.claim_unresolved(10, 120.0)
-    assert {r["id"] for r in claimed} == {tid, other}
+    assert {r.id for r in claimed} == {tid, other}
     assert await store.claim_unresolved(10, 120.0) == []  # another resolver takes nothing of this claim
     await scheduler(store).cancel(tid, actor="operator")
     # the first resolver's answer comes back after the cancel: only the queued task is written
     assert await store.set_resolved([(tid, D1), (other, D1)]) == {other}
     task = await store.get_task(tid)
-    assert (task["state"], task["image_digest"]) == ("cancelled", None)
+    assert (task.state, task.image_digest) == ("cancelled", None)
 
 
 async def test_the_backoff_doubles_up_to_its_limit(store: Store) -> None:
@@ -222,8 +222,8 @@ async def test_a_malformed_answer_is_not_pinned(store: Store) -> None:
     tid = await submit(store)
     await resolver(store, RegistryStandIn("latest")).resolve_once()
     task = await store.get_task(tid)
-    assert (task["state"], task["image_digest"], task["reason"]) == ("queued", None, reasons.REGISTRY_UNREACHABLE)
-    assert "no usable digest" in task["reason_detail"]
+    assert (task.state, task.image_digest, task.reason) == ("queued", None, reasons.REGISTRY_UNREACHABLE)
+    assert "no usable digest" in task.reason_detail
 
 
 # ---- the server's registry client: the real HTTP API v2 client behind the seam, a real registry ----

@@ -40,18 +40,18 @@ async def env(e2e_db_url: str) -> AsyncIterator[tuple[Store, httpx.AsyncClient]]
 async def test_every_assignment_change_bumps_the_revision(env: tuple[Store, httpx.AsyncClient]) -> None:
     store, _client = env
     tid = await submit(store)
-    assert (await store.get_task(tid))["revision"] == 1
+    assert (await store.get_task(tid)).revision == 1
     await add_node(store, "n1")
     await place(store)  # queued → assigned, by the dispatch batch
-    assert (await store.get_task(tid))["revision"] == 2
+    assert (await store.get_task(tid)).revision == 2
     # a compare-and-set naming a stale revision changes nothing, even with the right `from`
     assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.PROVISIONING, actor="t", revision=1) is None
     row = await store.get_task(tid)
-    assert (row["state"], row["revision"]) == ("assigned", 2)
+    assert (row.state, row.revision) == ("assigned", 2)
     assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.PROVISIONING, actor="t", revision=2)
-    assert (await store.get_task(tid))["revision"] == 3
+    assert (await store.get_task(tid)).revision == 3
     assert await store.transition_task(tid, TaskState.PROVISIONING, TaskState.RUNNING, actor="t")  # no If-Match: any
-    assert (await store.get_task(tid))["revision"] == 4
+    assert (await store.get_task(tid)).revision == 4
 
 
 async def test_cancel_with_a_stale_revision_is_refused_and_a_current_one_accepted(
@@ -68,7 +68,7 @@ async def test_cancel_with_a_stale_revision_is_refused_and_a_current_one_accepte
     assert stale.status_code == 412, stale.text
     assert "revision 2" in stale.json()["error"] and "revision 1" in stale.json()["error"]
     row = await store.get_task(tid)
-    assert (row["state"], row["revision"]) == ("assigned", 2)  # nothing changed
+    assert (row.state, row.revision) == ("assigned", 2)  # nothing changed
 
     bad = await client.post(f"/v1/tasks/{tid}/cancel", headers={"If-Match": "yesterday"})
     assert bad.status_code == 422 and "If-Match" in bad.json()["error"]
@@ -123,20 +123,20 @@ async def test_a_pinned_task_keeps_its_revisions_content_on_every_attempt(env: t
     store, _client = env
     await store.put_named_spec("job", TaskSpec(command=["echo", "v1"], max_attempts=2), "t")
     row, _ = await store.submit_named("job", 1, idempotency_key=None, actor="t")
-    tid = row["id"]
+    tid = row.id
     await store.put_named_spec("job", TaskSpec(command=["echo", "v2"], max_attempts=2), "t")  # a new revision meanwhile
     await add_node(store, "n1")
     sent = []
     for _attempt in range(2):
         await place(store)
         task = await store.get_task(tid)
-        (assign,) = [r for r in await store.take_outbox(["n1"]) if r["kind"] == "assign"]
-        sent.append(json.loads(assign["spec"])["command"])
+        (assign,) = [r for r in await store.take_outbox(["n1"]) if r.kind == "assign"]
+        sent.append(json.loads(assign.spec)["command"])
         # the node never accepts: revoked and requeued for the second attempt
         await store.transition_task(tid, TaskState.ASSIGNED, TaskState.QUEUED, actor="t", end_attempt="revoked",
-                                    fencing_token=task["fencing_token"])  # fmt: skip
+                                    fencing_token=task.fencing_token)  # fmt: skip
     assert sent == [["echo", "v1"], ["echo", "v1"]]
-    assert ((await store.get_task(tid))["spec_name"], (await store.get_task(tid))["spec_revision"]) == ("job", 1)
+    assert ((await store.get_task(tid)).spec_name, (await store.get_task(tid)).spec_revision) == ("job", 1)
     # and the revision itself can never be changed under the task
     async with store.pool.acquire() as c:
         with pytest.raises(asyncpg.exceptions.RestrictViolationError, match="store a new revision"):

@@ -48,8 +48,8 @@ async def submit(store: Store, *, container: bool = False, **spec: Any) -> uuid.
     row, _ = await store.submit(TaskSpec(**spec))
     if container:
         # what the resolver loop does for a tag (tested in test_resolver.py); here the image is pinned already
-        assert await store.set_resolved([(row["id"], DIGEST)]) == {row["id"]}
-    return row["id"]
+        assert await store.set_resolved([(row.id, DIGEST)]) == {row.id}
+    return row.id
 
 
 def scheduler(store: Store) -> Scheduler:
@@ -59,11 +59,11 @@ def scheduler(store: Store) -> Scheduler:
 async def placed(store: Store, tid: uuid.UUID) -> tuple[str, int]:
     """The task's node and token once assigned (placing it, with whatever else is queued, if it is not)."""
     row = await store.get_task(tid)
-    if row["state"] == "queued":
+    if row.state == "queued":
         await scheduler(store).dispatch_once()
         row = await store.get_task(tid)
-    assert row["state"] == "assigned", dict(row)
-    return row["node_id"], row["fencing_token"]
+    assert row.state == "assigned", row
+    return row.node_id, row.fencing_token
 
 
 async def report(store: Store, tid: uuid.UUID, node: str, token: int, kind: str, exit_code: int | None = None, *,
@@ -163,17 +163,17 @@ async def test_each_end_writes_its_class_with_the_end(store: Store, end: Any, to
     tid = await submit(store, max_attempts=2, timeout=3600)
     node, tok = await running(store, tid)
     (live,) = await attempts(store, tid)
-    assert (live["failure_class"], live["failure_detail"], live["finished_at"]) == (None, None, None)
+    assert (live.failure_class, live.failure_detail, live.finished_at) == (None, None, None)
     await end(store, tid, node, tok)
     (a,) = await attempts(store, tid)
     task = await store.get_task(tid)
     ev = await last_event(store, tid)
-    assert task["state"] == to and task["reason"] == reason
+    assert task.state == to and task.reason == reason
     # the class is on the attempt, in the event of the end, and the node's words beside the reason
-    assert (a["failure_class"], a["failure_detail"], a["reason"]) == (cls, detail, reason)
-    assert (ev["to_state"], ev["failure_class"], ev["detail"], ev["reason"]) == (to, cls, detail, reason)
-    assert task["reason_detail"] == detail
-    assert a["released"] and a["finished_at"] is not None and await slots(store, "n1") == 0  # a process: freed with its end
+    assert (a.failure_class, a.failure_detail, a.reason) == (cls, detail, reason)
+    assert (ev.to_state, ev.failure_class, ev.detail, ev.reason) == (to, cls, detail, reason)
+    assert task.reason_detail == detail
+    assert a.released and a.finished_at is not None and await slots(store, "n1") == 0  # a process: freed with its end
 
 
 async def test_accept_deadline_and_success_classes(store: Store) -> None:
@@ -183,18 +183,18 @@ async def test_accept_deadline_and_success_classes(store: Store) -> None:
     row = await store.get_task(late)
     assert await scheduler(store).applier.apply(late, S.ASSIGNED, policy.on_accept_overdue(facts(row)), fencing_token=tok)
     (a,) = await attempts(store, late)
-    assert (a["state"], a["failure_class"], (await store.get_task(late))["reason"]) == ("revoked", "not_accepted", reasons.NOT_ACCEPTED)
+    assert (a.state, a.failure_class, (await store.get_task(late)).reason) == ("revoked", "not_accepted", reasons.NOT_ACCEPTED)
 
     ok = await submit(store)
     node, tok = await running(store, ok)
     assert await report(store, ok, node, tok, protocol.EXITED, 0)
     (a,) = await attempts(store, ok)
-    assert (a["state"], a["failure_class"], a["exit_code"]) == ("exited", None, 0)
-    assert (await last_event(store, ok))["failure_class"] is None
+    assert (a.state, a.failure_class, a.exit_code) == ("exited", None, 0)
+    assert (await last_event(store, ok)).failure_class is None
 
     queued = await submit(store)
     await scheduler(store).cancel(queued, actor="operator")
-    assert (await last_event(store, queued))["failure_class"] == "cancelled"
+    assert (await last_event(store, queued)).failure_class == "cancelled"
 
 
 async def test_a_refused_end_writes_no_class(store: Store) -> None:
@@ -207,8 +207,8 @@ async def test_a_refused_end_writes_no_class(store: Store) -> None:
     assert not await report(store, tid, node, tok - 1, protocol.EXITED, 137, failure_class="oom", message="stale")
     assert not await report(store, tid, other, tok, protocol.EXITED, 137, failure_class="oom", message="foreign")
     (a,) = await attempts(store, tid)
-    assert (a["state"], a["failure_class"], a["failure_detail"]) == ("running", None, None)
-    assert (await store.get_task(tid))["state"] == "running"
+    assert (a.state, a.failure_class, a.failure_detail) == ("running", None, None)
+    assert (await store.get_task(tid)).state == "running"
 
 
 # ---- release proofs --------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ async def proof(store: Store, tid: uuid.UUID, token: int, node: str, ref: str) -
 
 async def releasing(store: Store, node: str) -> int:
     r = (await store.nodes_releasing([node])).get(node)
-    return 0 if r is None else int(r["slots"])
+    return 0 if r is None else int(r.slots)
 
 
 async def test_a_container_keeps_its_capacity_after_its_end_until_the_node_proves_it_removed(store: Store) -> None:
@@ -230,12 +230,12 @@ async def test_a_container_keeps_its_capacity_after_its_end_until_the_node_prove
     node, tok = await running(store, tid, ref="c0ffee")
     other = "n2" if node == "n1" else "n1"
     (a,) = await attempts(store, tid)
-    assert (a["backend_kind"], a["backend_ref"]) == ("container", "c0ffee")
+    assert (a.backend_kind, a.backend_ref) == ("container", "c0ffee")
     assert await report(store, tid, node, tok, protocol.EXITED, 0)
     (a,) = await attempts(store, tid)
-    assert (await store.get_task(tid))["state"] == "succeeded" and a["finished_at"] is not None
+    assert (await store.get_task(tid)).state == "succeeded" and a.finished_at is not None
     # an exit report alone frees nothing: the node shows the slot as releasing
-    assert not a["released"] and await slots(store, node) == 1 and await releasing(store, node) == 1
+    assert not a.released and await slots(store, node) == 1 and await releasing(store, node) == 1
     # a placement cannot use it
     nxt = await submit(store, container=True, home_node=node)
     out = await scheduler(store).dispatch_once()
@@ -246,13 +246,13 @@ async def test_a_container_keeps_its_capacity_after_its_end_until_the_node_prove
     assert await proof(store, tid, tok, other, "c0ffee") == []  # another node
     assert await proof(store, tid, tok, node, "deadbeef") == []  # another container
     assert await proof(store, uuid.uuid4(), tok, node, "c0ffee") == []  # another task
-    assert await slots(store, node) == 1 and not (await attempts(store, tid))[0]["released"]
+    assert await slots(store, node) == 1 and not (await attempts(store, tid))[0].released
 
     assert await proof(store, tid, tok, node, "c0ffee") == [(tid, tok, True)]
     (a,) = await attempts(store, tid)
-    assert a["released"] and a["released_at"] is not None
-    assert a["release_proof"]["by"] == "node" and a["release_proof"]["backend_ref"] == "c0ffee"
-    assert a["release_proof"]["released_at"].startswith("2023-11-14T22:13:20.5")  # the node's clock, as sent
+    assert a.released and a.released_at is not None
+    assert a.release_proof["by"] == "node" and a.release_proof["backend_ref"] == "c0ffee"
+    assert a.release_proof["released_at"].startswith("2023-11-14T22:13:20.5")  # the node's clock, as sent
     assert await slots(store, node) == 0 and await releasing(store, node) == 0
     # a repeat is refused and harmless: capacity is given back once
     assert await proof(store, tid, tok, node, "c0ffee") == []
@@ -268,10 +268,10 @@ async def test_a_proof_before_the_end_releases_with_the_end(store: Store) -> Non
     tid = await submit(store, container=True)
     node, tok = await running(store, tid, ref="abc")
     assert await proof(store, tid, tok, node, "abc") == [(tid, tok, False)]
-    assert await slots(store, node) == 1 and not (await attempts(store, tid))[0]["released"]
+    assert await slots(store, node) == 1 and not (await attempts(store, tid))[0].released
     assert await report(store, tid, node, tok, protocol.EXITED, 1)
     (a,) = await attempts(store, tid)
-    assert a["released"] and a["failure_class"] == "exit" and await slots(store, node) == 0
+    assert a.released and a.failure_class == "exit" and await slots(store, node) == 0
 
 
 async def test_a_proof_racing_the_end_frees_the_capacity_exactly_once(store: Store) -> None:
@@ -293,7 +293,7 @@ async def test_a_proof_racing_the_end_frees_the_capacity_exactly_once(store: Sto
     assert (n["res_slots"], n["res_cpu_millis"], n["res_memory_bytes"]) == (0, 0, 0)
     for tid in ids:
         (a,) = await attempts(store, tid)
-        assert a["released"] and a["release_proof"]["by"] == "node"
+        assert a.released and a.release_proof["by"] == "node"
 
 
 async def test_the_node_loss_policy_releases_without_a_proof_and_says_so(store: Store) -> None:
@@ -316,12 +316,12 @@ async def test_the_node_loss_policy_releases_without_a_proof_and_says_so(store: 
         await c.execute("UPDATE nodes SET last_heartbeat_at = now() - interval '1 hour'")
     await sched.sweep()
     (a_lost,) = await attempts(store, lost)
-    assert (await store.get_task(lost))["state"] == "lost"
-    assert a_lost["released"] and a_lost["release_proof"] == {"by": "server", "reason": reasons.NODE_LOST}
-    assert a_lost["failure_class"] == "node_lost"
+    assert (await store.get_task(lost)).state == "lost"
+    assert a_lost.released and a_lost.release_proof == {"by": "server", "reason": reasons.NODE_LOST}
+    assert a_lost.failure_class == "node_lost"
     for tid in (ended, expired):
         (a,) = await attempts(store, tid)
-        assert a["released"] and a["release_proof"] == {"by": "server", "reason": reasons.NODE_LOST}, tid
+        assert a.released and a.release_proof == {"by": "server", "reason": reasons.NODE_LOST}, tid
     n = await node_row(store, "n1")
     assert (n["res_slots"], n["res_cpu_millis"], n["res_memory_bytes"]) == (0, 0, 0)
     # the node's proof, late, is refused and harmless
@@ -342,7 +342,7 @@ async def test_a_removed_nodes_sandboxes_are_released_with_the_removal(store: St
     await sched.sweep()
     for tid in (done, live):
         (a,) = await attempts(store, tid)
-        assert a["released"] and a["release_proof"] == {"by": "server", "reason": reasons.NODE_REVOKED}
+        assert a.released and a.release_proof == {"by": "server", "reason": reasons.NODE_REVOKED}
     assert await slots(store, "n1") == 0
 
 
@@ -369,10 +369,10 @@ async def test_a_process_attempt_is_released_with_its_end(store: Store) -> None:
     await add_node(store, "n1")
     tid = await submit(store)
     node, tok = await running(store, tid, ref="4242")
-    assert (await attempts(store, tid))[0]["backend_ref"] == "4242"
+    assert (await attempts(store, tid))[0].backend_ref == "4242"
     assert await report(store, tid, node, tok, protocol.EXITED, 0)
     (a,) = await attempts(store, tid)
-    assert a["released"] and a["release_proof"] is None and await slots(store, node) == 0
+    assert a.released and a.release_proof is None and await slots(store, node) == 0
     assert await proof(store, tid, tok, node, "4242") == []  # nothing to prove for a process
 
 
@@ -383,14 +383,14 @@ async def test_a_retried_container_task_waits_for_its_old_sandbox_on_a_full_node
     tid = await submit(store, container=True, max_attempts=2)
     node, tok = await running(store, tid, ref="first")
     assert await report(store, tid, node, tok, protocol.FAILED_RETRYABLE, failure_class="provisioning", message="create failed")
-    assert (await store.get_task(tid))["state"] == "queued"
+    assert (await store.get_task(tid)).state == "queued"
     out = await scheduler(store).dispatch_once()
     assert out.assigned == [] and out.unplaced == {tid: reasons.FULL}
     assert await proof(store, tid, tok, node, "first") == [(tid, tok, True)]
     node2, tok2 = await placed(store, tid)
     assert tok2 > tok
     first, second = await attempts(store, tid)
-    assert first["released"] and not second["released"] and first["failure_class"] == "provisioning"
+    assert first.released and not second.released and first.failure_class == "provisioning"
 
 
 # ---- nodes: egress contexts, limits, inventories ------------------------------------------------------------
@@ -407,7 +407,7 @@ async def test_a_node_stores_what_its_sandboxes_can_give(store: Store) -> None:
     )  # fmt: skip
     n = await node_row(store, "n1")
     assert (list(n["egress_contexts"]), n["enforces_limits"]) == (["open"], False)  # an agent that says nothing
-    assert row["session"] + 1 == n["session"]
+    assert row.session + 1 == n["session"]
 
 
 async def test_egress_is_placed_on_a_node_that_can_give_it(store: Store) -> None:
@@ -415,7 +415,7 @@ async def test_egress_is_placed_on_a_node_that_can_give_it(store: Store) -> None
     none = await submit(store, container=True, egress="none")
     out = await scheduler(store).dispatch_once()
     assert out.unplaced == {none: reasons.NO_EGRESS}
-    assert (await store.get_task(none))["reason"] == reasons.NO_EGRESS
+    assert (await store.get_task(none)).reason == reasons.NO_EGRESS
     await add_node(store, "isolating", egress=("none", "open"))
     assert (await placed(store, none))[0] == "isolating"
 
@@ -423,9 +423,9 @@ async def test_egress_is_placed_on_a_node_that_can_give_it(store: Store) -> None
 async def test_an_inventory_moves_placement_to_the_node_holding_the_digest(store: Store) -> None:
     a = await add_node(store, "a")
     await add_node(store, "b")
-    assert await store.set_artifacts("a", a["session"], [DIGEST, "sha256:" + "e" * 64])
-    assert not await store.set_artifacts("a", a["session"] - 1, [])  # an old session writes nothing
-    assert not await store.set_artifacts("a", a["session"], [DIGEST, "sha256:" + "e" * 64])  # nothing changed
+    assert await store.set_artifacts("a", a.session, [DIGEST, "sha256:" + "e" * 64])
+    assert not await store.set_artifacts("a", a.session - 1, [])  # an old session writes nothing
+    assert not await store.set_artifacts("a", a.session, [DIGEST, "sha256:" + "e" * 64])  # nothing changed
     assert list((await node_row(store, "a"))["artifacts"]) == sorted([DIGEST, "sha256:" + "e" * 64])
     # b is emptier, but a holds the image: locality first
     first = await submit(store, container=True)
@@ -441,9 +441,9 @@ async def test_pruning_keeps_a_task_whose_sandbox_still_holds_capacity(store: St
     for tid, ref in ((held, "h"), (freed, "f")):
         node, tok = await running(store, tid, ref=ref)
         assert await report(store, tid, node, tok, protocol.EXITED, 0)
-    assert await proof(store, freed, (await store.get_task(freed))["fencing_token"], "n1", "f")
+    assert await proof(store, freed, (await store.get_task(freed)).fencing_token, "n1", "f")
     async with store.pool.acquire() as c:
         await c.execute("UPDATE tasks SET finished_at = now() - interval '30 days'")
     assert await store.prune_finished(86400, 100) == 1
-    assert (await store.get_task(held))["state"] == "succeeded"
+    assert (await store.get_task(held)).state == "succeeded"
     assert await slots(store, "n1") == 1  # still accounted for by the attempt that will release it

@@ -115,7 +115,7 @@ async def test_idempotency_key_returns_the_same_task(store: Store) -> None:
 
     a, created_a = await store.submit(TaskSpec(command=["true"]), idempotency_key="k")
     b, created_b = await store.submit(TaskSpec(command=["true"]), idempotency_key="k")
-    assert (created_a, created_b) == (True, False) and a["id"] == b["id"]
+    assert (created_a, created_b) == (True, False) and a.id == b.id
     with pytest.raises(Conflict, match="different spec"):
         await store.submit(TaskSpec(command=["false"]), idempotency_key="k")
     async with store.pool.acquire() as c:
@@ -132,7 +132,7 @@ async def test_a_batch_is_stored_whole_or_not_at_all(store: Store) -> None:
         actor="test",
     )
     assert [created for _r, created in out] == [False, True, True]
-    assert out[0][0]["id"] == first["id"]
+    assert out[0][0].id == first.id
     async with store.pool.acquire() as c:
         assert await c.fetchval("SELECT count(*) FROM tasks") == 3
         assert await c.fetchval("SELECT count(*) FROM task_events") == 3
@@ -168,14 +168,14 @@ async def test_a_group_commit_gives_each_change_the_answer_it_would_get_alone(st
     results = await store.transition_many(changes)
     assert [r is not None for r in results] == [True, False, False, False]
     assert results[0].task_id == a
-    assert [(await store.get_task(t))["state"] for t in ids] == ["succeeded", "assigned", "assigned", "assigned"]
+    assert [(await store.get_task(t)).state for t in ids] == ["succeeded", "assigned", "assigned", "assigned"]
     reserved = sum([(await node_row(store, n))["res_slots"] for n in ("n1", "n2")])
     assert reserved == 3  # a's slot freed once, the others still held
     with pytest.raises(ValueError, match="one change per task"):
         await store.transition_many([changes[1], changes[1]])
     with pytest.raises(ValueError, match="not allowed"):
         await store.transition_many([Change(b, S.SUCCEEDED, S.RUNNING, actor="x")])
-    assert (await store.get_task(b))["state"] == "assigned"  # a refused batch touched nothing
+    assert (await store.get_task(b)).state == "assigned"  # a refused batch touched nothing
     # several attempts on one node ending in one statement free all of their capacity
     rest = [Change(t, S.ASSIGNED, S.LOST, actor="watchdog", reason=reasons.NODE_LOST, end_attempt=AttemptState.LOST)
             for t in (b, c, d)]  # fmt: skip
@@ -183,5 +183,5 @@ async def test_a_group_commit_gives_each_change_the_answer_it_would_get_alone(st
     assert [(await node_row(store, n))["res_slots"] for n in ("n1", "n2")] == [0, 0]
     assert [(await node_row(store, n))["res_cpu_millis"] for n in ("n1", "n2")] == [0, 0]
     _, attempts, events = await store.task_detail(c)
-    assert [a["state"] for a in attempts] == ["lost"] and attempts[0]["released"]
-    assert [(e["from_state"], e["to_state"], e["reason"]) for e in events][-1] == ("assigned", "lost", reasons.NODE_LOST)
+    assert [a.state for a in attempts] == ["lost"] and attempts[0].released
+    assert [(e.from_state, e.to_state, e.reason) for e in events][-1] == ("assigned", "lost", reasons.NODE_LOST)

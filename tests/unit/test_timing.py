@@ -1,5 +1,7 @@
 import dataclasses
 
+import pytest
+
 from podium.timing import DEFAULT_TIMING, FAST_TIMER_DIVISOR, timing_from_env
 
 
@@ -23,3 +25,14 @@ def test_fast_timers_off_by_default_and_for_false_values() -> None:
     assert timing_from_env({}) == DEFAULT_TIMING
     assert timing_from_env({"PODIUM_TEST_FAST_TIMERS": "0"}) == DEFAULT_TIMING
     assert timing_from_env({"PODIUM_TEST_FAST_TIMERS": "true"}).offline_after == 12
+
+
+def test_a_test_may_choose_a_gentler_divisor_and_a_bad_one_is_named() -> None:
+    gentler = timing_from_env({"PODIUM_TEST_FAST_TIMERS": "1", "PODIUM_TEST_TIMER_DIVISOR": "3"})
+    assert gentler.provisioning_deadline == DEFAULT_TIMING.provisioning_deadline / 3
+    assert gentler.claim_limit == DEFAULT_TIMING.claim_limit
+    # only with fast timers on: a production process never reads it
+    assert timing_from_env({"PODIUM_TEST_TIMER_DIVISOR": "3"}) == DEFAULT_TIMING
+    for bad in ("0", "fast", "-2", "nan"):
+        with pytest.raises(ValueError, match="PODIUM_TEST_TIMER_DIVISOR"):
+            timing_from_env({"PODIUM_TEST_FAST_TIMERS": "1", "PODIUM_TEST_TIMER_DIVISOR": bad})

@@ -1,5 +1,5 @@
 """What every router's handlers are given, as FastAPI dependencies: the caller (a bearer token of at
-least a role), the store, the scheduler, the security service and admission from `app.state` (set
+least a role), the store, the scheduler, the security service, admission and the event hub from `app.state` (set
 by the app factory), and the small parsers of path and header values several nouns share. Handlers
 declare these in their signatures; no handler reaches a closure or a module global for them."""
 
@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from podium.api.events import EventHub
 from podium.errors import InvalidRequest
 from podium.pressure import Pressure
 from podium.scheduler.service import Scheduler
@@ -54,10 +55,15 @@ def _admission(request: Request) -> Pressure:
     return request.app.state.admission
 
 
+def _event_hub(request: Request) -> EventHub:
+    return request.app.state.event_hub
+
+
 StoreDep = Annotated[Store, Depends(_store)]
 SchedulerDep = Annotated[Scheduler, Depends(_scheduler)]
 SecurityDep = Annotated[Security, Depends(_security)]
 Admission = Annotated[Pressure, Depends(_admission)]
+EventHubDep = Annotated[EventHub, Depends(_event_hub)]
 
 
 async def audit(store: Store, who: Principal, action: str, target: str | None, **detail: Any) -> None:

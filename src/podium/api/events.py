@@ -41,6 +41,7 @@ from podium.errors import InvalidRequest, StoreUnavailable
 from podium.security.tokens import Role
 from podium.states import TERMINAL, TaskState
 from podium.store import Store, Subscription
+from podium.store.rows import LogChunkRow, StreamEventRow, TaskRow
 from podium.store.ui import Cursor, UiStore
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,8 @@ def _key(c: Cursor) -> tuple[int, int]:
     return (c.txid, c.id)
 
 
-def cursor_of_row(r: Any, floor: int = 0) -> Cursor:
-    return Cursor(int(r["txid"]), int(r["id"]), floor)
+def cursor_of_row(r: StreamEventRow, floor: int = 0) -> Cursor:
+    return Cursor(int(r.txid), int(r.id), floor)
 
 
 def _log_backstop() -> float:
@@ -219,7 +220,7 @@ class EventHub:
                 self._rows.append(r)
                 self.head = c
             if self._followers:
-                self._wake_followers([str(r["task_id"]) for r in rows if r["kind"] == "task"])
+                self._wake_followers([str(r.task_id) for r in rows if r.kind == "task"])
             got = got or bool(rows)
             if len(rows) < PAGE:
                 break
@@ -261,7 +262,7 @@ class EventHub:
                     if rows:
                         cursor = cursor_of_row(rows[-1], cursor.floor)
                         for r in rows:
-                            if r["id"] > cursor.floor and match(r):
+                            if r.id > cursor.floor and match(r):
                                 yield r
                         continue
                     try:
@@ -285,16 +286,16 @@ class EventHub:
             self.clients -= 1
 
 
-def event_json(r: Any) -> dict[str, Any]:
-    if r["kind"] == "task":
+def event_json(r: StreamEventRow) -> dict[str, Any]:
+    if r.kind == "task":
         return {
-            "id": r["id"], "kind": "task", "at": r["at"].isoformat(), "task_id": str(r["task_id"]),
-            "task_name": r["task_name"], "from_state": r["from_state"], "state": r["state"], "reason": r["reason"],
-            "actor": r["actor"], "attempt": r["attempt"], "node_id": r["node_id"], "fencing_token": r["fencing_token"],
+            "id": r.id, "kind": "task", "at": r.at.isoformat(), "task_id": str(r.task_id),
+            "task_name": r.task_name, "from_state": r.from_state, "state": r.state, "reason": r.reason,
+            "actor": r.actor, "attempt": r.attempt, "node_id": r.node_id, "fencing_token": r.fencing_token,
         }  # fmt: skip
     return {
-        "id": r["id"], "kind": "node", "at": r["at"].isoformat(), "node_id": r["node_id"], "health": r["health"],
-        "connected": r["connected"], "draining": r["draining"], "revoked": r["revoked"], "labels": r["labels"],
+        "id": r.id, "kind": "node", "at": r.at.isoformat(), "node_id": r.node_id, "health": r.health,
+        "connected": r.connected, "draining": r.draining, "revoked": r.revoked, "labels": r.labels,
     }  # fmt: skip
 
 
@@ -314,15 +315,15 @@ class Filters:
     def __init__(self, task_id: uuid.UUID | None, node_id: str | None, state: str | None, kinds: set[str]) -> None:
         self.task_id, self.node_id, self.state, self.kinds = task_id, node_id, state, kinds
 
-    def match(self, r: Any) -> bool:
-        if r["kind"] not in self.kinds:
+    def match(self, r: StreamEventRow) -> bool:
+        if r.kind not in self.kinds:
             return False
-        if r["kind"] == "node":
-            return self.task_id is None and self.state is None and (self.node_id is None or r["node_id"] == self.node_id)
+        if r.kind == "node":
+            return self.task_id is None and self.state is None and (self.node_id is None or r.node_id == self.node_id)
         return (
-            (self.task_id is None or r["task_id"] == self.task_id)
-            and (self.node_id is None or r["node_id"] == self.node_id)
-            and (self.state is None or r["state"] == self.state)
+            (self.task_id is None or r.task_id == self.task_id)
+            and (self.node_id is None or r.node_id == self.node_id)
+            and (self.state is None or r.state == self.state)
         )
 
     def db(self) -> dict[str, Any]:
@@ -344,7 +345,7 @@ async def parse_filters(
             state = TaskState(state).value
         except ValueError:
             raise InvalidRequest(f"state: {state!r} is not a task state; one of {', '.join(s.value for s in TaskState)}") from None
-    node_id = (await store.get_node(node))["id"] if node else None
+    node_id = (await store.get_node(node)).id if node else None
     if kind not in (None, "", "task", "node"):
         raise InvalidRequest(f"kind: {kind!r} is neither 'task' nor 'node'; leave it out for both")
     return Filters(task_id, node_id, state or None, {kind} if kind else {"task", "node"})
@@ -372,8 +373,8 @@ def event_stream(hub: EventHub, cursor: Cursor | None, filters: Filters, render:
     return gen()
 
 
-def _json_event(r: Any) -> bytes:
-    return sse(r["kind"], json.dumps(event_json(r)), r["id"])
+def _json_event(r: StreamEventRow) -> bytes:
+    return sse(r.kind, json.dumps(event_json(r)), r.id)
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -411,12 +412,12 @@ async def log_stream(store: Store, hub: EventHub, task_id: uuid.UUID, after: int
                 await asyncio.sleep(1)
                 continue
             for r in rows:
-                position = (r["fencing_token"], r["seq"], r["stream"])
+                position = (r.fencing_token, r.seq, r.stream)
                 yield render(r)
             if rows:
                 quiet_since = clock()
                 continue
-            if TaskState(task["state"]) in TERMINAL:
+            if TaskState(task.state) in TERMINAL:
                 # the gateway stores an attempt's output before its end: one more read closes the gap
                 try:
                     rows = await store.read_logs(task_id, after=position, limit=1000)
@@ -424,7 +425,7 @@ async def log_stream(store: Store, hub: EventHub, task_id: uuid.UUID, after: int
                     await asyncio.sleep(1)
                     continue
                 for r in rows:
-                    position = (r["fencing_token"], r["seq"], r["stream"])
+                    position = (r.fencing_token, r.seq, r.stream)
                     yield render(r)
                 if not rows:
                     yield end(task)
@@ -491,14 +492,14 @@ def router() -> APIRouter:
         hub: EventHub = app.state.event_hub
         await hub.ensure_started()  # here, so a database not reachable yet is a 503, not a cut stream
 
-        def chunk(row: Any) -> bytes:
-            raw = bytes(row["data"])
+        def chunk(row: LogChunkRow) -> bytes:
+            raw = bytes(row.data)
             text = base64.b64encode(raw).decode() if encoding == "base64" else raw.decode("utf-8", errors="replace")
-            data = {"id": row["id"], "attempt": row["attempt"], "stream": row["stream"], "data": text}
-            return sse("chunk", json.dumps(data), row["id"])
+            data = {"id": row.id, "attempt": row.attempt, "stream": row.stream, "data": text}
+            return sse("chunk", json.dumps(data), row.id)
 
-        def end(task: Any) -> bytes:
-            return sse("end", json.dumps({"state": task["state"], "exit_code": task["exit_code"], "reason": task["reason"]}))
+        def end(task: TaskRow) -> bytes:
+            return sse("end", json.dumps({"state": task.state, "exit_code": task.exit_code, "reason": task.reason}))
 
         return StreamingResponse(
             log_stream(store, hub, tid, start, chunk, end), media_type="text/event-stream", headers=SSE_HEADERS

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from podium.security.tokens import Role
 from podium.spec import MAX_BATCH, SubmitRequest, validate_labels
 from podium.states import TERMINAL, TaskState
+from podium.store.rows import AttemptRow, NamedSpecRow, NodeRow, ReleasingRow, TaskEventRow, TaskRow
 
 
 class AttemptOut(BaseModel):
@@ -310,55 +311,53 @@ class ErrorOut(BaseModel):
     candidates: list[str] | None = None  # an ambiguous id prefix (409): the ids it could mean
 
 
-def task_out(r: Any, last_node: tuple[str, str | None] | None = None) -> TaskOut:
+def task_out(r: TaskRow, last_node: tuple[str, str | None] | None = None) -> TaskOut:
     """A task row as the API shows it; `last_node` is (id, name) of its latest attempt's node."""
     return TaskOut(
-        id=r["id"], name=r["name"], state=r["state"], reason=r["reason"], terminal=TaskState(r["state"]) in TERMINAL,
-        exit_code=r["exit_code"], node_id=r["node_id"], fencing_token=r["fencing_token"], attempts=r["attempts"],
-        max_attempts=r["max_attempts"], priority=r["priority"], created_at=r["created_at"], updated_at=r["updated_at"],
-        finished_at=r["finished_at"], lease_expires_at=r["lease_expires_at"], accept_deadline=r["accept_deadline"],
-        idempotency_key=r["idempotency_key"], spec_name=r["spec_name"], spec_revision=r["spec_revision"], spec=r["spec"],
+        id=r.id, name=r.name, state=r.state, reason=r.reason, terminal=TaskState(r.state) in TERMINAL,
+        exit_code=r.exit_code, node_id=r.node_id, fencing_token=r.fencing_token, attempts=r.attempts,
+        max_attempts=r.max_attempts, priority=r.priority, created_at=r.created_at, updated_at=r.updated_at,
+        finished_at=r.finished_at, lease_expires_at=r.lease_expires_at, accept_deadline=r.accept_deadline,
+        idempotency_key=r.idempotency_key, spec_name=r.spec_name, spec_revision=r.spec_revision, spec=r.spec,
         last_node_id=last_node[0] if last_node else None, last_node_name=last_node[1] if last_node else None,
-        reason_detail=r["reason_detail"], image=r["image"], image_digest=r["image_digest"], resolved_at=r["resolved_at"],
-        revision=r.get("revision", 1),
+        reason_detail=r.reason_detail, image=r.image, image_digest=r.image_digest, resolved_at=r.resolved_at,
+        revision=r.revision,
     )  # fmt: skip
 
 
-def attempt_out(r: Any) -> AttemptOut:
-    derived = ("gpu_indexes", "operation_deadline")
-    return AttemptOut(
-        **{k: r[k] for k in AttemptOut.model_fields if k not in derived}, gpu_indexes=list(r["gpu_indexes"]),
-        operation_deadline=r["accept_deadline"],
+def attempt_out(r: AttemptRow) -> AttemptOut:
+    # the operation deadline is the attempt's accept deadline under the seed's name
+    return AttemptOut.model_validate(r, from_attributes=True).model_copy(update={"operation_deadline": r.accept_deadline})
+
+
+def event_out(r: TaskEventRow) -> EventOut:
+    return EventOut.model_validate(r, from_attributes=True)
+
+
+def node_out(r: NodeRow, releasing: ReleasingRow | None = None) -> NodeOut:
+    held = (
+        ResourcesOut(cpu_millis=0, memory_bytes=0, disk_bytes=0, gpus=0, slots=0)
+        if releasing is None
+        else ResourcesOut.model_validate(releasing, from_attributes=True)
     )
-
-
-def event_out(r: Any) -> EventOut:
-    return EventOut(**{k: r[k] for k in EventOut.model_fields})
-
-
-_NOTHING = {"cpu_millis": 0, "memory_bytes": 0, "disk_bytes": 0, "gpus": 0, "slots": 0}
-
-
-def node_out(r: Any, releasing: Any = None) -> NodeOut:
-    held = releasing or _NOTHING
     return NodeOut(
-        id=r["id"], name=r["name"], health=r["health"], connected=r["connected"], draining=r["draining"],
-        pool=r["pool"], arch=r["arch"], labels=r["labels"], capabilities=list(r["capabilities"]),
-        backends=list(r["backends"]),
-        allocatable=ResourcesOut(cpu_millis=r["alloc_cpu_millis"], memory_bytes=r["alloc_memory_bytes"],
-                                 disk_bytes=r["alloc_disk_bytes"], gpus=r["alloc_gpus"], slots=r["alloc_slots"]),
-        reserved=ResourcesOut(cpu_millis=r["res_cpu_millis"], memory_bytes=r["res_memory_bytes"],
-                              disk_bytes=r["res_disk_bytes"], gpus=r["res_gpus"], slots=r["res_slots"]),
-        last_heartbeat_at=r["last_heartbeat_at"], agent_version=r["agent_version"], artifacts=list(r["artifacts"]),
-        protocol_min=r["protocol_min"], protocol_max=r["protocol_max"], gpu_indexes=list(r["gpu_indexes"]),
-        egress_contexts=list(r["egress_contexts"]), enforces_limits=r["enforces_limits"],
-        releasing=ResourcesOut(**{k: held[k] for k in _NOTHING}),
-        instance_id=r.get("instance_id"),
-        drain_phase=r.get("drain_phase") or ("draining" if r["draining"] else "active"),
-        drain_deadline=r.get("drain_deadline"), revision=r.get("revision", 1),
-        max_operations=r.get("max_operations", 4), materializations=list(r.get("materializations") or []),
+        id=r.id, name=r.name, health=r.health, connected=r.connected, draining=r.draining,
+        pool=r.pool, arch=r.arch, labels=r.labels, capabilities=list(r.capabilities),
+        backends=list(r.backends),
+        allocatable=ResourcesOut(cpu_millis=r.alloc_cpu_millis, memory_bytes=r.alloc_memory_bytes,
+                                 disk_bytes=r.alloc_disk_bytes, gpus=r.alloc_gpus, slots=r.alloc_slots),
+        reserved=ResourcesOut(cpu_millis=r.res_cpu_millis, memory_bytes=r.res_memory_bytes,
+                              disk_bytes=r.res_disk_bytes, gpus=r.res_gpus, slots=r.res_slots),
+        last_heartbeat_at=r.last_heartbeat_at, agent_version=r.agent_version, artifacts=list(r.artifacts),
+        protocol_min=r.protocol_min, protocol_max=r.protocol_max, gpu_indexes=list(r.gpu_indexes),
+        egress_contexts=list(r.egress_contexts), enforces_limits=r.enforces_limits,
+        releasing=held,
+        instance_id=r.instance_id,
+        drain_phase=r.drain_phase or ("draining" if r.draining else "active"),
+        drain_deadline=r.drain_deadline, revision=r.revision,
+        max_operations=r.max_operations, materializations=list(r.materializations),
     )  # fmt: skip
 
 
-def named_spec_out(r: Any) -> NamedSpecOut:
-    return NamedSpecOut(name=r["name"], revision=r["revision"], spec=r["spec"], created_at=r["created_at"], created_by=r["created_by"])
+def named_spec_out(r: NamedSpecRow) -> NamedSpecOut:
+    return NamedSpecOut.model_validate(r, from_attributes=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from typing import Any
 
 from fastapi import Request
 
@@ -53,10 +52,10 @@ class Sessions:
         cookie = request.cookies.get(COOKIE)
         if not cookie or len(cookie) > 200:
             return None
-        row: Any = await self.ui.session(_hash(cookie))
-        if row is None or row["role"] == Role.JOIN:
+        row = await self.ui.session(_hash(cookie))
+        if row is None or row.role == Role.JOIN:
             return None
-        return Principal(row["token_id"], row["name"], Role(row["role"])), row["csrf"]
+        return Principal(row.token_id, row.name, Role(row.role)), row.csrf
 
     async def caller(self, request: Request, needed: Role) -> Principal:
         """A bearer token if the request has one, else the session cookie."""

@@ -9,16 +9,16 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import platformdirs
 import typer
-import yaml
-from pydantic import ValidationError
 from rich.console import Console
 
-from podium.client import Client
-from podium.spec import SubmitRequest, parse_label_pairs
+if TYPE_CHECKING:
+    import yaml
+
+    from podium.client import Client
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Podium: run work on a fleet of machines and know the truth about it.")
 db_app = typer.Typer(no_args_is_help=True, help="Database maintenance.")
@@ -65,6 +65,8 @@ OVERLOAD_PATIENCE = 120.0  # seconds the CLI keeps re-sending a request an overl
 def connect(server: str | None) -> Client:
     """The client an operator command talks through. An overloaded server refuses with 429 and
     stores nothing: wait as it asks and send again, for up to OVERLOAD_PATIENCE, telling the user once."""
+    from podium.client import Client  # httpx: only a command that talks to a server pays for it
+
     return Client(server, overload_patience=OVERLOAD_PATIENCE, on_overload=_say_overloaded)
 
 
@@ -94,6 +96,8 @@ def parse(fn: Any, value: str, flag: str) -> Any:
 
 
 def labels(pairs: list[str]) -> dict[str, str]:
+    from podium.spec import parse_label_pairs  # pydantic's models: only for a command given labels
+
     try:
         return parse_label_pairs(pairs)
     except ValueError as e:
@@ -102,6 +106,10 @@ def labels(pairs: list[str]) -> dict[str, str]:
 
 def validate(body: dict[str, Any]) -> dict[str, Any]:
     """Validate locally first: the same model the server uses, so a typo costs no round trip."""
+    from pydantic import ValidationError
+
+    from podium.spec import SubmitRequest
+
     try:
         SubmitRequest.model_validate(body)
     except ValidationError as e:
@@ -111,6 +119,8 @@ def validate(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_spec(file: str) -> dict[str, Any]:
+    import yaml
+
     try:
         text = sys.stdin.read() if file == "-" else Path(file).read_text()
     except OSError as e:

@@ -10,10 +10,8 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from podium.benchmark import Bench
 from podium.cli import render
 from podium.cli.base import CliError, JsonOpt, ServerOpt, app, out
-from podium.client import PodiumError
 
 
 @app.command()
@@ -33,6 +31,9 @@ def bench(
     """Submit real commands (`true` by default), wait for every one to end, and print tasks per second
     and submit → running / succeeded latencies (p50, p99) as the API reports them. With --serial, one
     at a time, also submit → the command's first instruction, read from the timestamp it writes."""
+    from podium.benchmark import Bench
+    from podium.client import PodiumError
+
     if tasks == 0 and serial == 0:
         raise CliError("nothing to run: give --tasks N and/or --serial K")
     try:

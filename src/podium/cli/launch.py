@@ -1,10 +1,11 @@
 """The commands that start things: `podium server`, `podium agent`, `podium dev` (embedded
 PostgreSQL, a server and one local agent) and `podium db migrate`. They run in this process (or
-its children); they must never be HTTP clients of a server, save `dev --demo`'s first task."""
+its children); they must never be HTTP clients of a server, save `dev --demo`'s first task.
+Each imports what it starts (the server stack, the agent, asyncio) inside itself: listing these
+commands, or running an operator command, must not load them."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
@@ -32,7 +33,6 @@ from podium.cli.base import (
     parse,
     setup_logging,
 )  # fmt: skip
-from podium.client import Client, LogChunk, PodiumError, token_file
 from podium.units import parse_cpu, parse_duration, parse_size
 
 
@@ -122,6 +122,8 @@ def agent(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run an agent: join a server (PODIUM_JOIN_TOKEN the first time) and run what it assigns."""
+    import asyncio
+
     from podium import lockfile
     from podium.agent import facts
     from podium.agent.agent import Agent, AgentConfig
@@ -217,7 +219,10 @@ def dev(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Everything on this machine in one command: embedded PostgreSQL, a server and one local agent."""
+    import asyncio
+
     from podium import lockfile
+    from podium.client import token_file
     from podium.server import PodiumServer, ServerConfig, install_signal_handlers, run_server_loop
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -329,6 +334,8 @@ def _me() -> str:
 
 
 def _demo(addr: str, t0: float) -> None:
+    from podium.client import Client, LogChunk, PodiumError
+
     client = Client(addr)
     try:
         tid = client.submit(name="hello", command=[
@@ -354,6 +361,8 @@ def db_migrate(
     data_dir: Annotated[Path | None, typer.Option(help="data directory of the embedded PostgreSQL")] = None,
 ) -> None:
     """Apply the schema migrations (PODIUM_DATABASE_URL, or the embedded database)."""
+    import asyncio
+
     from podium.store import Store
     from podium.store.embedded import EmbeddedPostgres
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING, TypeGuard
 
 import typer
 from rich.text import Text
 
-from podium.client import PodiumError
+if TYPE_CHECKING:
+    from podium.client import PodiumError
 
 # Importing a command module registers its commands on `app`, in the order `podium --help` lists them.
 # isort: off
@@ -65,6 +67,13 @@ def _is_usage_error(e: Exception) -> bool:
     return isinstance(e, tuple(kinds))
 
 
+def _is_podium_error(e: Exception) -> TypeGuard[PodiumError]:
+    """A `podium.client.PodiumError`, asked without importing the client (httpx) for a command that
+    never used it: if the module is not loaded, nothing raised one."""
+    client = sys.modules.get("podium.client")
+    return client is not None and isinstance(e, client.PodiumError)
+
+
 def _main() -> None:
     """Every way a command can end, as one line and an exit code; PODIUM_DEBUG=1 keeps tracebacks."""
     debug = os.environ.get("PODIUM_DEBUG") == "1"
@@ -75,9 +84,6 @@ def _main() -> None:
     except CliError as e:
         _error(str(e))
         sys.exit(e.code)
-    except PodiumError as e:  # the server refused, or could not be reached: its sentence, as it is
-        _error(str(e) + (" (set PODIUM_TOKEN to an operator token)" if e.status == 401 else ""))
-        sys.exit(1)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
@@ -85,6 +91,9 @@ def _main() -> None:
     except KeyboardInterrupt:
         sys.exit(EXIT_CANCELLED)
     except Exception as e:  # click's usage errors and anything unforeseen: one line, no traceback
+        if _is_podium_error(e):  # the server refused, or could not be reached: its sentence, as it is
+            _error(str(e) + (" (set PODIUM_TOKEN to an operator token)" if e.status == 401 else ""))
+            sys.exit(1)
         if _is_usage_error(e):
             e.show()  # type: ignore[attr-defined]
             sys.exit(e.exit_code)  # type: ignore[attr-defined]

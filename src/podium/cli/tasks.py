@@ -4,7 +4,7 @@ the server's API and must never start anything or touch the database."""
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -29,8 +29,10 @@ from podium.cli.base import (
     validate,
 )  # fmt: skip
 from podium.cli.contract import print_attempt_record
-from podium.client import Client, LogChunk, TaskEnd
 from podium.units import format_cpu, format_size, parse_cpu, parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from podium.client import Client, LogChunk
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -133,6 +135,8 @@ def _write_output(c: LogChunk) -> None:
 def attach(client: Client, tid: str) -> int:
     """Stream a task's output until it ends (the server's log stream, resumed where it broke off
     if the connection or the server goes away); Ctrl-C cancels it. Returns the exit code to use."""
+    from podium.client import LogChunk, TaskEnd  # loaded already: `client` is one
+
     end = TaskEnd("", None, None)
     try:
         for item in client.follow(tid):

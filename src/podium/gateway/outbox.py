@@ -25,6 +25,7 @@ from podium.security.secretbox import SecretUnreadable
 from podium.security.service import SecretMissing, Security
 from podium.states import TaskState
 from podium.store import Store, Subscription
+from podium.store.rows import OutboxRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class Outbox:
         no other take would return it, and failing the task over a database blip would be a lie.
         Should this server die meanwhile, the node's next Hello has it redelivered."""
         delay = 0.05
-        retry: list[tuple[Session, Any]] = []  # (stream, outbox row) to send again, oldest first
+        retry: list[tuple[Session, OutboxRow]] = []  # (stream, outbox row) to send again, oldest first
         retry_delay = 0.05
         while True:
             if retry:
@@ -98,7 +99,7 @@ class Outbox:
             self._wake.clear()
             due, self._due = self._due, set()
             live = sorted(n for n in due if n in self.sessions)
-            rows: list[Any] = []
+            rows: list[OutboxRow] = []
             if live:
                 try:
                     with metrics.OUTBOX_TAKE_SECONDS.time():
@@ -115,9 +116,9 @@ class Outbox:
             # node that reconnected since is redelivered its Assigns by its Hello)
             work = [(s, r, True) for s, r in retry if self.sessions.get(s.node_id) is s]
             retry = []
-            work += [(s, r, False) for r in rows if (s := self.sessions.get(r["node_id"])) is not None]
+            work += [(s, r, False) for r in rows if (s := self.sessions.get(r.node_id)) is not None]
             for s, r, again in work:
-                if r["kind"] == "assign":
+                if r.kind == "assign":
                     # marked delivered but not sent if this fails: closing the stream makes the
                     # node's next Hello redeliver it
                     try:
@@ -126,25 +127,26 @@ class Outbox:
                     except asyncio.CancelledError:
                         raise
                     except Exception:
-                        log.exception("sending task %s to node %s failed; closing its stream", r["task_id"], s.node_id)
+                        log.exception("sending task %s to node %s failed; closing its stream", r.task_id, s.node_id)
                         s.close()
                 else:
                     s.send(pb.ServerMessage(cancel=pb.Cancel(
-                        task_id=str(r["task_id"]), fencing_token=r["fencing_token"], reason=r["reason"] or "",
+                        task_id=str(r.task_id), fencing_token=r.fencing_token, reason=r.reason or "",
                     )))  # fmt: skip
             retry_delay = min(retry_delay * 2, 1.0) if retry else 0.05
 
-    async def _send_assign(self, s: Session, r: Any, *, again: bool = False) -> bool:
+    async def _send_assign(self, s: Session, r: OutboxRow, *, again: bool = False) -> bool:
         """Resolve the task's secrets now, immediately before the Assign that carries them, and only
         for the node that runs this attempt. False when the store could not be read: nothing is
         known yet, and the caller sends it again. With `again`, the attempt is first checked to
         still be the task's current one (it may have been cancelled or revoked while it waited)."""
-        task_id, token = r["task_id"], r["fencing_token"]
-        spec = json.loads(r["spec"])
+        task_id, token = r.task_id, r.fencing_token
+        assert r.spec is not None, "an assign outbox row carries its spec"
+        spec = json.loads(r.spec)
         try:
             if again:
                 current = await self.store.get_task(task_id)
-                if current["state"] != TaskState.ASSIGNED or current["fencing_token"] != token:
+                if current.state != TaskState.ASSIGNED or current.fencing_token != token:
                     return True  # moved on while it waited: nothing to send
             values, registries = await self.security.resolve(spec)
         except StoreUnavailable as e:
@@ -160,26 +162,26 @@ class Outbox:
         except NotFound:
             return True  # the task itself is gone (pruned): nothing to send
         s.send(pb.ServerMessage(assign=pb.Assign(
-            task_id=str(task_id), attempt=r["attempt"], fencing_token=token,
-            spec_json=r["spec"], gpu_indexes=list(r["gpu_indexes"] or ()),
+            task_id=str(task_id), attempt=r.attempt, fencing_token=token,
+            spec_json=r.spec, gpu_indexes=list(r.gpu_indexes or ()),
             secrets=[pb.SecretValue(env=env, value=value) for env, value in values],
             registries=[pb.RegistryCredential(registry=h, username=u, password=p) for h, u, p in registries],
         )))  # fmt: skip
         return True
 
-    async def _undeliverable(self, r: Any, problem: str, detail: dict[str, Any]) -> bool:
+    async def _undeliverable(self, r: OutboxRow, problem: str, detail: dict[str, Any]) -> bool:
         """Apply the policy's step for an Assign that cannot be sent; the detail (which secret, which
         key) goes beside the reason, in the audit log, never into it. False if the store went away
         meanwhile (the caller tries the whole delivery again)."""
         step = policy.on_undeliverable(policy.TaskFacts(state=TaskState.ASSIGNED), problem)
         try:
-            done = await self.applier.apply(r["task_id"], TaskState.ASSIGNED, step, fencing_token=r["fencing_token"])
+            done = await self.applier.apply(r.task_id, TaskState.ASSIGNED, step, fencing_token=r.fencing_token)
             if done is not None and step is not None:
                 await self.store.audit(
-                    f"gateway:{self.server_id}", "task.undeliverable", str(r["task_id"]),
-                    {"reason": step.reason, "fencing_token": r["fencing_token"], **detail},
+                    f"gateway:{self.server_id}", "task.undeliverable", str(r.task_id),
+                    {"reason": step.reason, "fencing_token": r.fencing_token, **detail},
                 )  # fmt: skip
         except StoreUnavailable as e:
-            log.warning("task %s: its failure could not be recorded yet (%s); trying again", r["task_id"], e)
+            log.warning("task %s: its failure could not be recorded yet (%s); trying again", r.task_id, e)
             return False
         return True

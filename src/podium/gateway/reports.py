@@ -14,7 +14,6 @@ import logging
 import math
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from podium import metrics, protocol
 from podium.errors import StoreUnavailable
@@ -23,6 +22,7 @@ from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.scheduler import policy
 from podium.scheduler.apply import change, facts
 from podium.store import Change, Store
+from podium.store.rows import TaskFactsRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -170,8 +170,8 @@ class ReportBatcher:
         for s, p in batch:
             ev = p.event
             row = rows.get(p.task_id)
-            if row is None or row["fencing_token"] != ev.fencing_token or row["node_id"] != s.node_id:
-                if not (row is not None and p.final and row["fencing_token"] == ev.fencing_token):
+            if row is None or row.fencing_token != ev.fencing_token or row.node_id != s.node_id:
+                if not (row is not None and p.final and row.fencing_token == ev.fencing_token):
                     # a stale or foreign attempt: refuse it, and make sure the node stops it
                     self._reject(s, p, row)
                 else:
@@ -213,13 +213,13 @@ class ReportBatcher:
                 self._answer(s, p, applied=False)
         self._put_back(again)
 
-    def _reject(self, s: Session, p: Pending, row: Any) -> None:
+    def _reject(self, s: Session, p: Pending, row: TaskFactsRow | None) -> None:
         metrics.NODE_REPORTS.labels("rejected").inc()
         ev = p.event
         log.warning(
             "node %s: rejected %s for task %s with fencing token %d (the task is %s, token %s, on node %s)",
-            s.node_id, p.kind, ev.task_id, ev.fencing_token, None if row is None else row["state"],
-            None if row is None else row["fencing_token"], None if row is None else row["node_id"],
+            s.node_id, p.kind, ev.task_id, ev.fencing_token, None if row is None else row.state,
+            None if row is None else row.fencing_token, None if row is None else row.node_id,
         )  # fmt: skip
         if not p.final:
             s.send(pb.ServerMessage(cancel=pb.Cancel(task_id=ev.task_id, fencing_token=ev.fencing_token, reason="stale attempt")))

@@ -163,7 +163,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
                 old.close()
         if decided.superseded is not None:
             log.warning("node %s: agent instance %s supersedes instance %s", hello.node_id, hello.instance_id, decided.superseded)
-        s = Session(hello.node_id, row["session"], instance_id=hello.instance_id, batches=hello.batches)
+        s = Session(hello.node_id, row.session, instance_id=hello.instance_id, batches=hello.batches)
         self.sessions[hello.node_id] = s
         metrics.CONNECTED_NODES.set(len(self.sessions))
         log.info("node %s (%s) connected, session %d", hello.name, hello.node_id, s.session)
@@ -172,7 +172,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             kill_grace_seconds=self.timing.kill_grace, fence_after_seconds=self.fence_after,
             node_credential=issued or "", batches=True,
         )))  # fmt: skip
-        if row["draining"]:
+        if row.draining:
             s.send(pb.ServerMessage(drain=pb.Drain(draining=True)))
 
         reader = asyncio.get_running_loop().create_task(self._read(s, hello, context), name=f"gateway.read.{hello.node_id}")

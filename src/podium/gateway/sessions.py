@@ -14,7 +14,6 @@ import logging
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from podium import protocol, reasons
 from podium.proto.podium.v1 import agent_pb2 as pb
@@ -23,6 +22,7 @@ from podium.scheduler import policy
 from podium.scheduler.apply import Applier, facts
 from podium.states import TaskState
 from podium.store import Store
+from podium.store.rows import NodeTaskRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class Reconciler:
         reported = {(rt.task_id, rt.fencing_token): rt for rt in hello.tasks}
         reported_tokens = {tok for (_t, tok) in reported}
         on_server = await self.store.tasks_on_node(s.node_id)
-        current = {r["fencing_token"] for r in on_server}
+        current = {r.fencing_token for r in on_server}
         stale = [tok for tok in reported_tokens if tok not in current]
         if stale:
             # Still running something that is no longer its attempt: the server's truth wins.
@@ -118,23 +118,23 @@ class Reconciler:
                 if tok in stale and rt.phase != "exited":
                     s.send(pb.ServerMessage(cancel=pb.Cancel(task_id=tid, fencing_token=tok, reason="stale attempt")))
         redeliver = []
-        gone: list[Any] = []  # on the node by the server's word, not in this Hello
+        gone: list[NodeTaskRow] = []  # on the node by the server's word, not in this Hello
         for r in on_server:
-            if r["fencing_token"] in reported_tokens:
-                phase = reported[(str(r["id"]), r["fencing_token"])].phase if (str(r["id"]), r["fencing_token"]) in reported else ""
+            if r.fencing_token in reported_tokens:
+                phase = reported[(str(r.id), r.fencing_token)].phase if (str(r.id), r.fencing_token) in reported else ""
                 if phase in ("provisioning", "running"):
                     # events sent on the old stream may have been lost with it: catch up from the report
                     for kind in (protocol.PROVISIONING, protocol.RUNNING)[: 1 if phase == "provisioning" else 2]:
-                        row = await self.store.get_task(r["id"])
+                        row = await self.store.get_task(r.id)
                         f = facts(row)
-                        await self.applier.apply(r["id"], f.state, policy.on_node_event(f, kind, None, self.timing),
-                                                   actor=f"node:{s.node_id}", fencing_token=r["fencing_token"], node_id=s.node_id)
-                    row = await self.store.get_task(r["id"])
-                    if row["state"] in ACCEPTED and row["fencing_token"] == r["fencing_token"]:
-                        accepted(s, str(r["id"]), r["fencing_token"])  # it may be waiting for this
-                if r["state"] == TaskState.CANCELLING:
+                        await self.applier.apply(r.id, f.state, policy.on_node_event(f, kind, None, self.timing),
+                                                   actor=f"node:{s.node_id}", fencing_token=r.fencing_token, node_id=s.node_id)
+                    row = await self.store.get_task(r.id)
+                    if row.state in ACCEPTED and row.fencing_token == r.fencing_token:
+                        accepted(s, str(r.id), r.fencing_token)  # it may be waiting for this
+                if r.state == TaskState.CANCELLING:
                     s.send(pb.ServerMessage(cancel=pb.Cancel(
-                        task_id=str(r["id"]), fencing_token=r["fencing_token"], reason=reasons.CANCELLED)))  # fmt: skip
+                        task_id=str(r.id), fencing_token=r.fencing_token, reason=reasons.CANCELLED)))  # fmt: skip
                 continue
             gone.append(r)
         # While another instance that may still run them has not passed its fence deadline (the
@@ -143,19 +143,19 @@ class Reconciler:
         # never pushed to any stream are no other instance's: they go to this one as usual.
         if gone:
             fresh = await self.store.undelivered_on_node(s.node_id)
-            held = [r["fencing_token"] for r in gone if r["fencing_token"] not in fresh]
+            held = [r.fencing_token for r in gone if r.fencing_token not in fresh]
             if held and await self.store.defer_node_loss(s.node_id, held):
                 log.warning("node %s: %d attempts wait for the fence deadline of the instance this one superseded", s.node_id, len(held))
-                gone = [r for r in gone if r["fencing_token"] in fresh]
+                gone = [r for r in gone if r.fencing_token in fresh]
         for r in gone:
-            if r["state"] == TaskState.ASSIGNED:
-                redeliver.append(r["fencing_token"])
+            if r.state == TaskState.ASSIGNED:
+                redeliver.append(r.fencing_token)
                 continue
-            row = await self.store.get_task(r["id"])
+            row = await self.store.get_task(r.id)
             f = facts(row)
             step = policy.on_node_loss(f, reasons.NODE_FORGOT)
             await self.applier.apply(
-                r["id"], f.state, step, actor=f"node:{s.node_id}", fencing_token=r["fencing_token"], node_id=s.node_id
+                r.id, f.state, step, actor=f"node:{s.node_id}", fencing_token=r.fencing_token, node_id=s.node_id
             )
         await self.store.redeliver(redeliver)
 

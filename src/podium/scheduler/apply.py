@@ -11,28 +11,25 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping
-from typing import Any
 
 from podium.scheduler.policy import Step, TaskFacts
 from podium.states import TaskState
 from podium.store import Change, Store, Transition
-from podium.store.rows import TaskFactsRow
+from podium.store.rows import ReconcileClaimRow, TaskFactsRow, TaskRow
 
 log = logging.getLogger(__name__)
 
 
-def facts(row: TaskFactsRow | Mapping[str, Any]) -> TaskFacts:
-    """What the policy needs to know about a task, from the task's row as the store returns it (a
-    column a query does not return keeps the default)."""
-    get = row.get
+def facts(row: TaskFactsRow | TaskRow | ReconcileClaimRow) -> TaskFacts:
+    """What the policy needs to know about a task, from any of the store's rows that carry it (a
+    `TaskFactsRow` from a query that selects less keeps its defaults)."""
     return TaskFacts(
-        state=TaskState(row["state"]),
-        attempts=get("attempts", 1) or 0,
-        max_attempts=get("max_attempts", 1) or 1,
-        requeue_on_node_loss=bool(get("requeue_on_node_loss", True)),
-        timeout=get("timeout_seconds"),
-        cancel_reason=get("cancel_reason"),
+        state=TaskState(row.state),
+        attempts=row.attempts,
+        max_attempts=row.max_attempts,
+        requeue_on_node_loss=row.requeue_on_node_loss,
+        timeout=row.timeout_seconds,
+        cancel_reason=row.cancel_reason,
     )
 
 

@@ -23,14 +23,14 @@ import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 from podium import metrics
 from podium.placement import NodeSnapshot, Placer, Requirements, Resources, Unplaceable, placeable_at_most
 from podium.scheduler.woken import WokenLoop
 from podium.store import Store
-from podium.store.db import DispatchOutcome, PlacementDecision, Record
+from podium.store.db import DispatchOutcome, PlacementDecision
+from podium.store.rows import ClaimedTaskRow, NodeRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -42,31 +42,31 @@ REQUIREMENTS_KEPT = 8192
 FULL_NODE_READ_EVERY = 60.0  # seconds between reads of every node row (in between: changed rows only)
 
 
-def node_snapshot(row: Mapping[str, Any]) -> NodeSnapshot:
-    in_use = set(row["gpus_in_use"] or ())
+def node_snapshot(row: NodeRow) -> NodeSnapshot:
+    in_use = set(row.gpus_in_use or ())
     return NodeSnapshot(
-        id=row["id"],
-        name=row["name"],
-        connected=row["connected"],
-        health=row["health"],
-        draining=row["draining"],
-        pool=row["pool"],
-        arch=row["arch"],
-        labels=row["labels"],
-        capabilities=frozenset(row["capabilities"]),
-        backends=frozenset(row["backends"]),
-        protocol_min=row["protocol_min"],
-        protocol_max=row["protocol_max"],
+        id=row.id,
+        name=row.name,
+        connected=row.connected,
+        health=row.health,
+        draining=row.draining,
+        pool=row.pool,
+        arch=row.arch,
+        labels=row.labels,
+        capabilities=frozenset(row.capabilities),
+        backends=frozenset(row.backends),
+        protocol_min=row.protocol_min,
+        protocol_max=row.protocol_max,
         allocatable=Resources(
-            row["alloc_cpu_millis"], row["alloc_memory_bytes"], row["alloc_disk_bytes"], row["alloc_gpus"], row["alloc_slots"]
+            row.alloc_cpu_millis, row.alloc_memory_bytes, row.alloc_disk_bytes, row.alloc_gpus, row.alloc_slots
         ),
         reserved=Resources(
-            row["res_cpu_millis"], row["res_memory_bytes"], row["res_disk_bytes"], row["res_gpus"], row["res_slots"]
+            row.res_cpu_millis, row.res_memory_bytes, row.res_disk_bytes, row.res_gpus, row.res_slots
         ),
-        artifacts=frozenset(row["artifacts"]),
-        gpu_free=tuple(g for g in sorted(row["gpu_indexes"]) if g not in in_use),
-        egress_contexts=frozenset(row["egress_contexts"]),
-        max_operations=row["max_operations"],
+        artifacts=frozenset(row.artifacts),
+        gpu_free=tuple(g for g in sorted(row.gpu_indexes) if g not in in_use),
+        egress_contexts=frozenset(row.egress_contexts),
+        max_operations=row.max_operations,
     )
 
 
@@ -117,7 +117,7 @@ class DispatchPass:
         self.placer: Placer | None = None
         self.room = 0  # at most this many more placements are possible in this pass
 
-    def begin(self, changed: list[Record], horizon: int, operations: dict[str, int]) -> None:
+    def begin(self, changed: list[NodeRow], horizon: int, operations: dict[str, int]) -> None:
         d = self.dispatcher
         d._remember_nodes(changed, horizon)
         d._snaps = with_operations(d._snaps, operations)
@@ -134,7 +134,7 @@ class DispatchPass:
         # long run of them costs a few round trips and the tasks behind them are still reached.
         return min(limit - claimed, max(self.room, claimed))
 
-    def place(self, tasks: list[Record]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
+    def place(self, tasks: list[ClaimedTaskRow]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
         """Pure once the rows are read: the Placer sees every connected node (kept between ticks,
         with the rows changed since the last read folded in) and reserves as it goes."""
         assert self.placer is not None, "begin() first"
@@ -144,11 +144,11 @@ class DispatchPass:
         for t in tasks:
             result = self.placer.place(self.dispatcher.requirements_of(t))
             if isinstance(result, Unplaceable):
-                unplaced[t["id"]] = result.reason
+                unplaced[t.id] = result.reason
             else:
                 placed.append(
                     PlacementDecision(
-                        t["id"], result.node_id, t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], result.gpu_indexes,
+                        t.id, result.node_id, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, result.gpu_indexes,
                         snaps[result.node_id].capability_snapshot(),
                     )
                 )
@@ -195,17 +195,17 @@ class Dispatcher:
         outcome.limit = limit
         return outcome
 
-    def requirements_of(self, t: Record) -> Requirements:
+    def requirements_of(self, t: ClaimedTaskRow) -> Requirements:
         """The claimed row's requirements, decoded once per distinct row content: a queued task is
         claimed again at every look at the whole window, and decoding its spec was most of the cost."""
-        key = (t["spec"], t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], tuple(t["avoid"]), t["image_digest"])
+        avoid = tuple(t.avoid or ())
+        key = (t.spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, avoid, t.image_digest)
         req = self._requirements.get(key)
         if req is None:
             if len(self._requirements) >= REQUIREMENTS_KEPT:
                 self._requirements.clear()
             req = self._requirements[key] = requirements(
-                json.loads(t["spec"]), t["cpu_millis"], t["memory_bytes"], t["disk_bytes"], t["gpus"], t["avoid"],
-                t["image_digest"],
+                json.loads(t.spec), t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, list(avoid), t.image_digest
             )
         return req
 
@@ -232,14 +232,14 @@ class Dispatcher:
             self._window_looked_at = now
         return outcome
 
-    def _remember_nodes(self, changed: Sequence[Mapping[str, Any]], horizon: int) -> None:
+    def _remember_nodes(self, changed: list[NodeRow], horizon: int) -> None:
         """Fold the node rows changed since the last read into the snapshots kept between ticks."""
         if self._horizon is None:
             self._snaps = {}
             self._nodes_read_all_at = asyncio.get_running_loop().time()
         for row in changed:
-            if row["connected"] and row["revoked_at"] is None:
-                self._snaps[row["id"]] = node_snapshot(row)
+            if row.connected and row.revoked_at is None:
+                self._snaps[row.id] = node_snapshot(row)
             else:
-                self._snaps.pop(row["id"], None)
+                self._snaps.pop(row.id, None)
         self._horizon = horizon

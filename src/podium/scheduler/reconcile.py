@@ -15,7 +15,6 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from podium import reasons
 from podium.errors import StoreUnavailable
@@ -24,6 +23,7 @@ from podium.scheduler.apply import Applier, facts
 from podium.states import TaskState
 from podium.store import Store
 from podium.store.reconcile import ReconcileStore
+from podium.store.rows import ReconcileClaimRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -37,27 +37,27 @@ HOLD_ENV = "PODIUM_TEST_RECONCILE_HOLD"
 CLAIM_ENV = "PODIUM_TEST_RECONCILE_CLAIM"
 
 
-def runtime_changed(row: Any) -> bool:
+def runtime_changed(row: ReconcileClaimRow) -> bool:
     """Whether the node's runtime digest for the attempt's backend differs from the one recorded in
     its capability snapshot at assignment (an attempt assigned before snapshots existed, or to a
     node that reports none, has nothing to compare)."""
-    kind = row["backend_kind"]
-    then = [m for m in (row["capability_snapshot"] or {}).get("materializations") or () if m.get("backend_kind") == kind]
-    now = [m for m in row["materializations"] or () if m.get("backend_kind") == kind]
+    kind = row.backend_kind
+    then = [m for m in (row.capability_snapshot or {}).get("materializations") or () if m.get("backend_kind") == kind]
+    now = [m for m in row.materializations or () if m.get("backend_kind") == kind]
     return bool(policy.runtime_changes(then, now))
 
 
-def reconcile_facts(row: Any) -> policy.ReconcileFacts:
+def reconcile_facts(row: ReconcileClaimRow) -> policy.ReconcileFacts:
     return policy.ReconcileFacts(
         task=facts(row),
-        current=row["task_token"] == row["fencing_token"],
-        attempt_state=row["attempt_state"],
-        node_removed=row["node_removed"],
-        node_health=row["health"],
-        node_connected=row["connected"],
-        in_handover=row["in_handover"],
-        before_hello=row["before_hello"],
-        in_hello=row["in_hello"],
+        current=row.task_token == row.fencing_token,
+        attempt_state=row.attempt_state,
+        node_removed=row.node_removed,
+        node_health=row.health,
+        node_connected=row.connected,
+        in_handover=row.in_handover,
+        before_hello=row.before_hello,
+        in_hello=row.in_hello,
         runtime_changed=runtime_changed(row),
     )
 
@@ -98,14 +98,14 @@ class Reconciler:
             verdict = policy.on_reconcile(reconcile_facts(row), self.timing)
             if verdict.step is not None:
                 done = await self.applier.apply(
-                    row["task_id"], TaskState(row["state"]), verdict.step, actor=self.actor, fencing_token=row["fencing_token"]
+                    row.task_id, TaskState(row.state), verdict.step, actor=self.actor, fencing_token=row.fencing_token
                 )
                 if done is None:
                     # the task moved since the claim read it: decide again on what it is now, soon
-                    results.append((row["fencing_token"], reasons.RECONCILED_MOVED, 0.0))
+                    results.append((row.fencing_token, reasons.RECONCILED_MOVED, 0.0))
                     continue
-                log.info("task %s (attempt token %d): %s", row["task_id"], row["fencing_token"], verdict.result)
-            results.append((row["fencing_token"], verdict.result, verdict.next_in))
+                log.info("task %s (attempt token %d): %s", row.task_id, row.fencing_token, verdict.result)
+            results.append((row.fencing_token, verdict.result, verdict.next_in))
         recorded = await self.store.finish(self.owner, results)
         if len(recorded) < len(results):
             log.info("reconcile: %d claims had expired and were taken over by another replica", len(results) - len(recorded))

@@ -30,7 +30,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from podium import failures, metrics
 from podium.errors import (
@@ -48,6 +48,7 @@ from podium.security.service import Security, registry_of
 from podium.spec import image_digest
 from podium.states import TaskState
 from podium.store import Change, Store
+from podium.store.rows import UnresolvedRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -125,9 +126,9 @@ class ImageResolver:
         claimed = await self.store.claim_unresolved(RESOLVE_BATCH, CLAIM_LEASE)
         if not claimed:
             return 0
-        by_image: dict[str, list[Any]] = defaultdict(list)
+        by_image: dict[str, list[UnresolvedRow]] = defaultdict(list)
         for row in claimed:
-            by_image[row["image"]].append(row)
+            by_image[row.image].append(row)
         limit = asyncio.Semaphore(RESOLVE_CONCURRENCY)
 
         async def ask(image: str) -> tuple[str, _Answer]:
@@ -142,14 +143,14 @@ class ImageResolver:
             answer = answers[image]
             for row in rows:
                 if answer.digest is not None:
-                    resolved.append((row["id"], answer.digest))
+                    resolved.append((row.id, answer.digest))
                 elif isinstance(answer.error, ImageNotFound | RegistryCredentialsRefused):
                     step = policy.on_image_unresolvable(QUEUED, answer.error.reason, answer.error.detail)
                     if step is not None:
-                        failed.append(change(row["id"], TaskState.QUEUED, step, actor=self.actor))
+                        failed.append(change(row.id, TaskState.QUEUED, step, actor=self.actor))
                 else:
                     detail = failures.detail(answer.error.detail if answer.error else None)
-                    unreachable.append((row["id"], detail, backoff(self.timing, row["resolve_tries"])))
+                    unreachable.append((row.id, detail, backoff(self.timing, row.resolve_tries)))
         await self.store.set_resolved(resolved)
         await self.store.set_unresolved(unreachable)
         if failed:

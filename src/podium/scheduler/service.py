@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from podium import reasons
@@ -23,9 +23,8 @@ from podium.scheduler.watchdog import DEFAULT_RETENTION, Watchdog
 from podium.store import Store
 from podium.store.db import DispatchOutcome
 from podium.store.reconcile import ReconcileStore
+from podium.store.rows import NodeRow, TaskRow
 from podium.timing import Timing
-
-Row = Mapping[str, Any]
 
 
 class Scheduler:
@@ -60,36 +59,37 @@ class Scheduler:
 
     async def explain(
         self, task_id: uuid.UUID
-    ) -> tuple[Row, list[tuple[NodeVerdict, Row | None]], frozenset[str]]:
+    ) -> tuple[TaskRow, list[tuple[NodeVerdict, NodeRow | None]], frozenset[str]]:
         """Why is this task where it is: every node with the first check it fails for the task, or
         its score. Nodes that are not connected are listed too (they fail the first check)."""
         task = await self.store.get_task(task_id)
         nodes = await self.store.placement_nodes()
-        everyone = {r["id"]: r for r in await self.store.list_nodes()}
-        avoid = [a["node_id"] for a in (await self.store.task_detail(task_id))[1] if a["state"] in ("revoked", "lost", "failed")]
+        everyone = {r.id: r for r in await self.store.list_nodes()}
+        avoid = [a.node_id for a in (await self.store.task_detail(task_id))[1] if a.state in ("revoked", "lost", "failed")]
         req = requirements(
-            task["spec"], task["cpu_millis"], task["memory_bytes"], task["disk_bytes"], task["gpus"], avoid, task["image_digest"]
+            task.spec, task.cpu_millis, task.memory_bytes, task.disk_bytes, task.gpus, avoid, task.image_digest
         )
         ops = await ReconcileStore(self.store).operations_in_flight()
-        snaps = [dataclasses.replace(node_snapshot(n), operations=ops.get(n["id"], 0)) for n in nodes]
+        snaps = [dataclasses.replace(node_snapshot(n), operations=ops.get(n.id, 0)) for n in nodes]
         connected = {n.id for n in snaps}
         for nid, row in everyone.items():
             if nid not in connected:
-                snaps.append(NodeSnapshot(id=nid, name=row["name"], connected=False, health=row["health"]))
+                snaps.append(NodeSnapshot(id=nid, name=row.name, connected=False, health=row.health))
         verdicts = explain(req, snaps, policy=self.policy_name)
         return task, [(v, everyone.get(v.node_id)) for v in verdicts], req.avoid_nodes
 
-    async def check(self, spec: dict[str, Any], cpu: int, memory: int, disk: int, gpus: int) -> list[tuple[NodeVerdict, Row]]:
+    async def check(self, spec: dict[str, Any], cpu: int, memory: int, disk: int, gpus: int) -> list[tuple[NodeVerdict, NodeRow]]:
         """Could any node of the fleet ever run this spec? Hard compatibility only (pool, arch,
         backend, protocol, labels, capabilities, too large): every node that is not removed is
         judged as if it were online, undrained and empty, since connections, health, drains and
         what is free now all change. Reads only; stores nothing."""
-        rows = {r["id"]: r for r in await self.store.list_nodes() if r["revoked_at"] is None}
+        rows = {r.id: r for r in await self.store.list_nodes() if r.revoked_at is None}
         req = requirements(spec, cpu, memory, disk, gpus)
         empty = Resources(0, 0, 0, 0, 0)
         snaps = [
             dataclasses.replace(
-                node_snapshot({**dict(r), "gpus_in_use": []}), connected=True, health="online", draining=False, reserved=empty
+                node_snapshot(dataclasses.replace(r, gpus_in_use=[])), connected=True, health="online", draining=False,
+                reserved=empty,
             )
             for r in rows.values()
         ]
@@ -99,27 +99,27 @@ class Scheduler:
         """A node was removed from the fleet: its tasks go through the node-loss policy now, not
         after OfflineAfter — it will never report again."""
         for r in await self.store.tasks_on_node(node_id):
-            row = await self.store.get_task(r["id"])
+            row = await self.store.get_task(r.id)
             f = facts(row)
-            await self.applier.apply(r["id"], f.state, policy.on_node_loss(f, reasons.NODE_REVOKED), fencing_token=r["fencing_token"])
+            await self.applier.apply(r.id, f.state, policy.on_node_loss(f, reasons.NODE_REVOKED), fencing_token=r.fencing_token)
 
-    async def cancel(self, task_id: uuid.UUID, actor: str, if_revision: int | None = None) -> Row:
+    async def cancel(self, task_id: uuid.UUID, actor: str, if_revision: int | None = None) -> TaskRow:
         """Cancel a task: a queued one ends at once; one on a node is told to stop. Retries the
         compare-and-set when the task moved underneath (e.g. it was placed in between). With
         `if_revision`, only while the task is still at that assignment revision (checked in the
         compare-and-set itself): otherwise PreconditionFailed, naming both revisions."""
         for _ in range(10):
             row = await self.store.get_task(task_id)
-            if if_revision is not None and row["revision"] != if_revision:
+            if if_revision is not None and row.revision != if_revision:
                 raise PreconditionFailed(
-                    f"task {task_id} is at revision {row['revision']}, not revision {if_revision} as this request "
-                    f"expects (it is {row['state']} now); read it again (`podium show {task_id}`) and decide again"
+                    f"task {task_id} is at revision {row.revision}, not revision {if_revision} as this request "
+                    f"expects (it is {row.state} now); read it again (`podium show {task_id}`) and decide again"
                 )
             f = facts(row)
             step = policy.on_cancel(f)
             if step is None:
                 return row  # already ended or already being cancelled: nothing to do
-            if await self.applier.apply(task_id, f.state, step, actor=actor, fencing_token=row["fencing_token"], revision=if_revision):
+            if await self.applier.apply(task_id, f.state, step, actor=actor, fencing_token=row.fencing_token, revision=if_revision):
                 return await self.store.get_task(task_id)
         # the task kept moving between the read and the compare-and-set: contention, not a missing task
         raise Contention(f"task {task_id} kept changing state while it was being cancelled; nothing was written, try again")

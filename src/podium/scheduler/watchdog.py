@@ -65,7 +65,7 @@ class Watchdog:
 
         for row in await self.store.lost_tasks(SWEEP_LIMIT):
             f = facts(row)
-            await self.applier.apply(row["id"], f.state, policy.on_lost(f, row["why"]), fencing_token=row["fencing_token"])
+            await self.applier.apply(row.id, f.state, policy.on_lost(f, row.why), fencing_token=row.fencing_token)
 
         # Attempts a node's new agent instance did not report, once the instance it superseded has
         # certainly stopped them (its fence deadline passed): only now may they run elsewhere.
@@ -77,7 +77,7 @@ class Watchdog:
         # get their release proof: release them, with a proof that says so.
         for r in await self.store.release_abandoned(SWEEP_LIMIT):
             log.info("attempt %d of task %s on node %s: released without a proof (its node is gone)",
-                     r["fencing_token"], r["task_id"], r["node_id"])  # fmt: skip
+                     r.fencing_token, r.task_id, r.node_id)  # fmt: skip
 
         # A drain's deadline passed: what still runs on the node goes through the node-loss policy
         # (requeued if the spec allows it and attempts remain, else lost; docs/decisions.md), each a
@@ -87,15 +87,15 @@ class Watchdog:
 
         for row in await self.store.overdue_accepts(SWEEP_LIMIT):
             f = facts(row)
-            await self.applier.apply(row["id"], f.state, policy.on_accept_overdue(f), fencing_token=row["fencing_token"])
+            await self.applier.apply(row.id, f.state, policy.on_accept_overdue(f), fencing_token=row.fencing_token)
 
         for row in await self.store.timed_out(SWEEP_LIMIT):
             f = facts(row)
-            await self.applier.apply(row["id"], f.state, policy.on_cancel(f, reasons.TIMEOUT), fencing_token=row["fencing_token"])
+            await self.applier.apply(row.id, f.state, policy.on_cancel(f, reasons.TIMEOUT), fencing_token=row.fencing_token)
 
         for row in await self.store.cancel_grace_expired(t.cancel_grace, SWEEP_LIMIT):
             f = facts(row)
-            await self.applier.apply(row["id"], f.state, policy.on_cancel_grace(f), fencing_token=row["fencing_token"])
+            await self.applier.apply(row.id, f.state, policy.on_cancel_grace(f), fencing_token=row.fencing_token)
 
     async def _node_loss(self, row: TaskFactsRow, reason: str, kind: str) -> None:
         """The node-loss policy for a task still on its node, and, if it took, a node event of `kind`

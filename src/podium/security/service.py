@@ -18,6 +18,7 @@ from podium.security import tokens
 from podium.security.secretbox import SecretBox, write_private
 from podium.security.tokens import Role
 from podium.store import Store
+from podium.store.rows import SecretRow, TokenRow
 
 log = logging.getLogger(__name__)
 
@@ -74,21 +75,21 @@ class Security:
             raise Unauthorized("the Authorization header must be 'Bearer pdm_…'")
         token_id, secret = parsed
         row = await self.store.get_token(token_id)
-        if row is None or not tokens.matches(secret, row["secret_hash"]):
+        if row is None or not tokens.matches(secret, row.secret_hash):
             raise Unauthorized("the token is not valid")
-        if row["revoked_at"] is not None:
+        if row.revoked_at is not None:
             raise Unauthorized("the token was revoked")
-        role = Role(row["role"])
+        role = Role(row.role)
         if role == Role.JOIN:
             raise Forbidden("a join token can only join nodes to the fleet; it cannot call the API")
         if not tokens.allows(role, needed):
             raise Forbidden(f"a {role} token may not do this; it needs the {needed} role")
-        return Principal(token_id, row["name"], role)
+        return Principal(token_id, row.name, role)
 
-    async def create_token(self, name: str, role: Role, by: str) -> tuple[dict[str, Any], str]:
+    async def create_token(self, name: str, role: Role, by: str) -> tuple[TokenRow, str]:
         token_id, token, digest = tokens.new_token()
         row = await self.store.insert_token(token_id, name, role, digest, by)
-        return dict(row), token
+        return row, token
 
     async def bootstrap(self, data_dir: Path) -> None:
         """On a fresh database, make the first admin token and a join token, and leave them in the
@@ -106,10 +107,10 @@ class Security:
         """Check a node's Hello credential. Returns a new node credential when a join token enrolled
         the node now (the agent keeps it), None when the node proved it is itself; raises otherwise."""
         row = await self.store.node_credential(node_id)
-        if row is not None and row["revoked_at"] is not None:
+        if row is not None and row.revoked_at is not None:
             raise Forbidden("this node was removed from the fleet")
-        if row is not None and row["credential_hash"] is not None:
-            if tokens.node_credential_matches(credential, row["credential_hash"]):
+        if row is not None and row.credential_hash is not None:
+            if tokens.node_credential_matches(credential, row.credential_hash):
                 return None
             raise Unauthorized(
                 "this node id is enrolled and its credential does not match (a join token cannot take over an enrolled node)"
@@ -118,8 +119,8 @@ class Security:
         if parsed is None:
             raise Unauthorized("a new node must present a join token (PODIUM_JOIN_TOKEN)")
         trow = await self.store.get_token(parsed[0])
-        if (trow is None or trow["role"] != Role.JOIN or trow["revoked_at"] is not None
-                or not tokens.matches(parsed[1], trow["secret_hash"])):
+        if (trow is None or trow.role != Role.JOIN or trow.revoked_at is not None
+                or not tokens.matches(parsed[1], trow.secret_hash)):
             raise Unauthorized("the join token is not valid")
         credential_out, digest = tokens.new_node_credential()
         if not await self.store.enrol_node(node_id, digest):
@@ -128,12 +129,12 @@ class Security:
 
     # ---- secrets ----------------------------------------------------------------------------
 
-    async def set_secret(self, name: str, value: bytes, actor: str) -> dict[str, Any]:
+    async def set_secret(self, name: str, value: bytes, actor: str) -> SecretRow:
         nonce, ct = self.box.seal(name, value)
-        return dict(await self.store.put_secret(name, nonce, ct, actor))
+        return await self.store.put_secret(name, nonce, ct, actor)
 
     async def missing_secrets(self, names: list[str]) -> list[str]:
-        have = {r["name"] for r in await self.store.get_secrets(names)}
+        have = {r.name for r in await self.store.get_secrets(names)}
         return [n for n in names if n not in have]
 
     async def registry_credentials(self, image: str) -> tuple[str, str] | None:
@@ -143,7 +144,7 @@ class Security:
         rows = await self.store.get_secrets([name])
         if not rows:
             return None
-        login = json.loads(self.box.open(name, rows[0]["nonce"], rows[0]["ciphertext"]))
+        login = json.loads(self.box.open(name, rows[0].nonce, rows[0].ciphertext))
         return login["username"], login["password"]
 
     async def resolve(self, spec: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
@@ -160,16 +161,16 @@ class Security:
             names.append(REGISTRY_PREFIX + registry)
         if not names:
             return [], []
-        rows = {r["name"]: r for r in await self.store.get_secrets(names)}
+        rows = {r.name: r for r in await self.store.get_secrets(names)}
         values: list[tuple[str, str]] = []
         for ref in refs:
             row = rows.get(ref["name"])
             if row is None:
                 raise SecretMissing(ref["name"])
-            values.append((ref["env"], self.box.open(ref["name"], row["nonce"], row["ciphertext"]).decode()))
+            values.append((ref["env"], self.box.open(ref["name"], row.nonce, row.ciphertext).decode()))
         creds: list[tuple[str, str, str]] = []
         if registry and REGISTRY_PREFIX + registry in rows:
             row = rows[REGISTRY_PREFIX + registry]
-            login = json.loads(self.box.open(row["name"], row["nonce"], row["ciphertext"]))
+            login = json.loads(self.box.open(row.name, row.nonce, row.ciphertext))
             creds.append((registry, login["username"], login["password"]))
         return values, creds

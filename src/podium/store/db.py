@@ -37,14 +37,35 @@ from podium.spec import TaskSpec
 from podium.states import AttemptState, TaskState, is_allowed
 from podium.store.migrate import migrate
 from podium.store.queries import queries
-from podium.store.rows import OutboxRow, TaskFactsRow
+from podium.store.rows import (
+    AbandonedReleaseRow,
+    AttemptRow,
+    AuditRow,
+    ClaimedTaskRow,
+    LogChunkRow,
+    NamedSpecRow,
+    NodeCredentialRow,
+    NodeEventRow,
+    NodeRow,
+    NodeSessionRow,
+    NodeTaskRow,
+    OutboxRow,
+    ReleasingRow,
+    SealedSecretRow,
+    SecretRow,
+    TaskEventRow,
+    TaskFactsRow,
+    TaskRow,
+    TokenCheckRow,
+    TokenRow,
+    UnresolvedRow,
+)
 
 log = logging.getLogger(__name__)
 
-#: A row read by column name, as the store hands it to the API's models and the dispatcher: a
-#: read-only mapping, whatever the driver's own record type is (the watchdog and the gateway get
-#: `rows.py`'s dataclasses instead). Nothing above the store may rely on more than this.
-Record: TypeAlias = Mapping[str, Any]
+# A driver record as the store's own code reads it, by column name. Private to the store: every
+# public method turns records into `rows.py`'s types (or plain values) before returning.
+_Record: TypeAlias = Mapping[str, Any]
 
 # Before the first task in the newest-first order: the first page's keyset cursor.
 _TASKS_START = (datetime.max.replace(tzinfo=UTC), uuid.UUID(int=(1 << 128) - 1))
@@ -198,7 +219,7 @@ class DispatchOutcome:
 class NodeHello:
     """What recording a Hello decided."""
 
-    row: Record | None  # None: the node was removed from the fleet (or the instance refused)
+    row: NodeSessionRow | None  # None: the node was removed from the fleet (or the instance refused)
     superseded: str | None = None  # the instance this Hello took the node from
     refused_by: str | None = None  # this instance was superseded before, by that one: not recorded
     materializations_before: list[dict[str, Any]] = field(default_factory=list)  # the node's, before this Hello
@@ -209,22 +230,22 @@ class DispatchPlan(Protocol):
     the nodes are now, it says how many queued tasks to claim, and places each batch it is given in
     claim order, reserving as it goes."""
 
-    def begin(self, changed: list[Record], horizon: int, operations: dict[str, int]) -> None:
+    def begin(self, changed: list[NodeRow], horizon: int, operations: dict[str, int]) -> None:
         """The node rows changed since the caller's horizon, the new horizon, and the provisioning
         operations per node now."""
 
     def want(self, claimed: int, limit: int) -> int:
         """How many more queued tasks to claim now, `claimed` being claimed already (0: stop)."""
 
-    def place(self, tasks: list[Record]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
+    def place(self, tasks: list[ClaimedTaskRow]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
         """Placements for these claimed tasks, and the queued reason of each one not placed."""
 
 
 class _Conn(Protocol):
-    """What the store's methods use of a pooled connection, typed: rows are `Record`s."""
+    """What the store's methods use of a pooled connection, typed: rows are `_Record`s."""
 
-    async def fetch(self, query: str, *args: Any) -> list[Record]: ...
-    async def fetchrow(self, query: str, *args: Any) -> Record | None: ...
+    async def fetch(self, query: str, *args: Any) -> list[_Record]: ...
+    async def fetchrow(self, query: str, *args: Any) -> _Record | None: ...
     async def fetchval(self, query: str, *args: Any) -> Any: ...
     async def execute(self, query: str, *args: Any) -> str: ...
     def transaction(self) -> asyncpg.transaction.Transaction: ...
@@ -379,20 +400,20 @@ class Store:
         actor: str = "api",
         spec_name: str | None = None,
         spec_revision: int | None = None,
-    ) -> tuple[Record, bool]:
+    ) -> tuple[TaskRow, bool]:
         """Store a new queued task (with its first event and its audit entry). With an idempotency
         key already used, return that task instead (created=False); the same key with a different
         spec is a Conflict."""
         return (await self.submit_many([(spec, idempotency_key)], actor=actor, spec_name=spec_name, spec_revision=spec_revision))[0]
 
     @staticmethod
-    def _same_submission(existing: Record | None, key: str | None, spec_json: Any) -> Record:
+    def _same_submission(existing: TaskRow | None, key: str | None, spec_json: Any) -> TaskRow:
         if existing is None:  # the first submit's row was pruned between the two statements
             raise Conflict(f"idempotency key {key!r} was used by a task that no longer exists")
-        if existing["spec"] != spec_json:
+        if existing.spec != spec_json:
             raise Conflict(
                 f"idempotency key {key!r} was already used for a different spec "
-                f"(task {existing['id']}); use a new key for a new task"
+                f"(task {existing.id}); use a new key for a new task"
             )
         return existing
 
@@ -404,7 +425,7 @@ class Store:
         actor: str,
         spec_name: str | None = None,
         spec_revision: int | None = None,
-    ) -> list[tuple[Record, bool]]:
+    ) -> list[tuple[TaskRow, bool]]:
         """Many submissions in one statement and one commit; per item the same answer `submit` gives.
         The whole batch is refused (nothing stored) if any item reuses a key for a different spec."""
         specs = [json.loads(spec.model_dump_json()) for spec, _key in items]
@@ -426,12 +447,16 @@ class Store:
             # itself: no BEGIN and COMMIT round trips around it.
             async with self._conn() as conn:
                 rows = await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named)
-            by_id = {r["id"]: r for r in rows}
+            by_id = {r.id: r for r in TaskRow.many(rows)}
             return [(by_id[i], True) for i in ids]
         async with self._conn() as conn, conn.transaction():
-            inserted = {r["id"]: r for r in await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named)}
+            inserted = {r.id: r for r in TaskRow.many(await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named))}
             missing = [k for i, k in zip(ids, keys, strict=True) if i not in inserted]
-            existing = {r["idempotency_key"]: r for r in await conn.fetch(self.q["tasks_by_idempotency_keys"], missing)} if missing else {}
+            existing = (
+                {r.idempotency_key: r for r in TaskRow.many(await conn.fetch(self.q["tasks_by_idempotency_keys"], missing))}
+                if missing
+                else {}
+            )
             out = []
             for tid, key, spec_json in zip(ids, keys, specs, strict=True):
                 if tid in inserted:
@@ -443,17 +468,17 @@ class Store:
     # ---- named specs ----------------------------------------------------------------------------
 
     @_retried
-    async def put_named_spec(self, name: str, spec: TaskSpec, actor: str) -> Record:
+    async def put_named_spec(self, name: str, spec: TaskSpec, actor: str) -> NamedSpecRow:
         spec_json = json.loads(spec.model_dump_json())
         for _ in range(5):
             try:
                 async with self._conn() as conn:
-                    return _returned(await conn.fetchrow(self.q["put_named_spec"], name, spec_json, actor))
+                    return NamedSpecRow.of(_returned(await conn.fetchrow(self.q["put_named_spec"], name, spec_json, actor)))
             except asyncpg.UniqueViolationError:
                 continue  # another writer took that revision number: take the next one
         raise Conflict(f"spec {name!r} is being changed by someone else; try again")
 
-    async def named_spec(self, name: str, revision: int | None = None) -> Record:
+    async def named_spec(self, name: str, revision: int | None = None) -> NamedSpecRow:
         async with self._conn() as conn:
             if revision is None:
                 row = await conn.fetchrow(self.q["latest_named_spec"], name)
@@ -461,27 +486,27 @@ class Store:
                 row = await conn.fetchrow(self.q["named_spec_revision"], name, revision)
         if row is None:
             raise NotFound(f"no spec named {name!r}" + (f" at revision {revision}" if revision is not None else ""))
-        return row
+        return NamedSpecRow.of(row)
 
-    async def list_named_specs(self) -> list[Record]:
+    async def list_named_specs(self) -> list[NamedSpecRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["list_named_specs"])
+            return NamedSpecRow.many(await conn.fetch(self.q["list_named_specs"]))
 
     async def submit_named(
         self, name: str, revision: int | None, *, idempotency_key: str | None, actor: str
-    ) -> tuple[Record, bool]:
+    ) -> tuple[TaskRow, bool]:
         """Submit the latest revision of a named spec; a pin to any other revision is refused, so a
         client never runs a spec it has not seen."""
         latest = await self.named_spec(name)
-        if revision is not None and revision != latest["revision"]:
+        if revision is not None and revision != latest.revision:
             raise ProfileRevisionMismatch(
-                f"profile revision mismatch: spec {name!r} is at revision {latest['revision']}, but this submission is "
+                f"profile revision mismatch: spec {name!r} is at revision {latest.revision}, but this submission is "
                 f"pinned to revision {revision}; read the current spec (`podium spec show {name}`) and, if it is what "
-                f"you want, run it pinned to it (`podium spec run {name} --revision {latest['revision']}`)"
+                f"you want, run it pinned to it (`podium spec run {name} --revision {latest.revision}`)"
             )
-        spec = TaskSpec.model_validate(latest["spec"])
+        spec = TaskSpec.model_validate(latest.spec)
         return await self.submit(
-            spec, idempotency_key=idempotency_key, actor=actor, spec_name=name, spec_revision=latest["revision"]
+            spec, idempotency_key=idempotency_key, actor=actor, spec_name=name, spec_revision=latest.revision
         )
 
     @_retried
@@ -553,27 +578,27 @@ class Store:
 
     async def task_facts_many(self, task_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, TaskFactsRow]:
         async with self._conn() as conn:
-            return {r["id"]: TaskFactsRow.of(r) for r in await conn.fetch(self.q["task_facts_many"], list(task_ids))}
+            return {r.id: r for r in TaskFactsRow.many(await conn.fetch(self.q["task_facts_many"], list(task_ids)))}
 
     async def assigned_in_flight(self, up_to: int) -> int:
         async with self._conn() as conn:
             return int(await conn.fetchval(self.q["assigned_in_flight"], up_to))
 
-    async def get_task(self, task_id: uuid.UUID) -> Record:
+    async def get_task(self, task_id: uuid.UUID) -> TaskRow:
         async with self._conn() as conn:
             row = await conn.fetchrow(self.q["get_task"], task_id)
         if row is None:
             raise NotFound(f"no task {task_id}")
-        return row
+        return TaskRow.of(row)
 
-    async def task_detail(self, task_id: uuid.UUID) -> tuple[Record, list[Record], list[Record]]:
+    async def task_detail(self, task_id: uuid.UUID) -> tuple[TaskRow, list[AttemptRow], list[TaskEventRow]]:
         async with self._conn() as conn:
             task = await conn.fetchrow(self.q["get_task"], task_id)
             if task is None:
                 raise NotFound(f"no task {task_id}")
             attempts = await conn.fetch(self.q["task_attempts"], task_id)
             events = await conn.fetch(self.q["task_events"], task_id)
-        return task, attempts, events
+        return TaskRow.of(task), AttemptRow.many(attempts), TaskEventRow.many(events)
 
     async def last_attempt_nodes(self, task_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, str | None]]:
         """task → (node id, node name) of its latest attempt; tasks never placed are left out."""
@@ -591,14 +616,16 @@ class Store:
         name: str | None = None,
         limit: int = 100,
         after: tuple[datetime, uuid.UUID] | None = None,
-    ) -> list[Record]:
+    ) -> list[TaskRow]:
         """One page of tasks, newest first (created_at, id descending), strictly after the keyset
         cursor `after` (the last row of the page before)."""
         at, tid = after or _TASKS_START
         async with self._conn() as conn:
             if state is not None and node_id is None and name is None:
-                return await conn.fetch(self.q["list_tasks_in_state"], state, at, tid, limit)
-            return await conn.fetch(self.q["list_tasks"], state, node_id, name, at, tid, limit)
+                rows = await conn.fetch(self.q["list_tasks_in_state"], state, at, tid, limit)
+            else:
+                rows = await conn.fetch(self.q["list_tasks"], state, node_id, name, at, tid, limit)
+        return TaskRow.many(rows)
 
     async def count_tasks_after(
         self,
@@ -634,12 +661,12 @@ class Store:
         found: uuid.UUID = rows[0]["id"]
         return found
 
-    async def task_events(self, task_id: uuid.UUID, after: int, limit: int) -> list[Record]:
+    async def task_events(self, task_id: uuid.UUID, after: int, limit: int) -> list[TaskEventRow]:
         """One page of a task's events in the order they happened, after event id `after`."""
         async with self._conn() as conn:
             if await conn.fetchrow(self.q["get_task"], task_id) is None:
                 raise NotFound(f"no task {task_id}")
-            return await conn.fetch(self.q["task_events_page"], task_id, after, limit)
+            return TaskEventRow.many(await conn.fetch(self.q["task_events_page"], task_id, after, limit))
 
     async def read_logs(
         self,
@@ -650,13 +677,14 @@ class Store:
         attempt: int | None = None,
         offset: int = 0,
         limit: int = 1000,
-    ) -> list[Record]:
+    ) -> list[LogChunkRow]:
         """A task's output in the order it was written, from just after the position `after`
         (fencing token, seq, stream) of a chunk the reader has; `stream`/`attempt` narrow it, and
         chunks ending at or before byte `offset` of their stream are left out."""
         token, seq, name = after if after is not None else (-1, -1, "")
         async with self._conn() as conn:
-            return await conn.fetch(self.q["read_logs"], task_id, token, seq, name, stream, attempt, offset, limit)
+            rows = await conn.fetch(self.q["read_logs"], task_id, token, seq, name, stream, attempt, offset, limit)
+        return LogChunkRow.many(rows)
 
     async def log_position(self, task_id: uuid.UUID, chunk_id: int) -> tuple[int, int, str] | None:
         """(fencing token, seq, stream) of the task's chunk with this id, or None."""
@@ -722,7 +750,7 @@ class Store:
         async with self._conn() as conn, conn.transaction():
             # the horizon first: whatever commits after it is read again next time
             horizon = await conn.fetchval(self.q["snapshot_horizon"])
-            nodes = await conn.fetch(self.q["placement_nodes_changed"], nodes_since)
+            nodes = NodeRow.many(await conn.fetch(self.q["placement_nodes_changed"], nodes_since))
             operations = {r["node_id"]: r["n"] for r in await conn.fetch(self.q["operations_in_flight"])}
             plan.begin(nodes, horizon, operations)
             claimed: list[uuid.UUID] = []
@@ -731,8 +759,8 @@ class Store:
             want = min(plan.want(0, claim_limit), claim_limit)
             while want > 0:
                 # rows this transaction locked already are not skipped by SKIP LOCKED: name them
-                tasks = await conn.fetch(self.q["claim_queued"], want, claimed)
-                claimed.extend(t["id"] for t in tasks)
+                tasks = ClaimedTaskRow.many(await conn.fetch(self.q["claim_queued"], want, claimed))
+                claimed.extend(t.id for t in tasks)
                 placed, waiting = plan.place(tasks)
                 placements.extend(placed)
                 unplaced.update(waiting)
@@ -787,7 +815,7 @@ class Store:
 
     # ---- nodes ----------------------------------------------------------------------------------
 
-    async def node_hello(self, **facts: Any) -> Record | None:
+    async def node_hello(self, **facts: Any) -> NodeSessionRow | None:
         """Record a (re)connecting node and give it a new session. None if the node was revoked."""
         return (await self.instance_hello(**facts)).row
 
@@ -841,17 +869,18 @@ class Store:
                 gpus, slots, gateway_id, agent_version, instance_id, peer, list(egress_contexts), enforces_limits,
             )  # fmt: skip
             if row is None:
-                return NodeHello(row)
+                return NodeHello(None)
+            session = NodeSessionRow.of(row)
             # what the reconcile loop checks attempts against, and the node's operations and runtimes
             before = await conn.fetchval(
                 self.q["hello_facts"], node_id, sorted(set(hello_tokens)), max_operations, list(materializations)
             )
             if not instance_id:
-                return NodeHello(row, materializations_before=before)
+                return NodeHello(session, materializations_before=before)
             await conn.execute(self.q["instance_seen"], node_id, instance_id, peer)
             old = prev["instance_id"] if prev is not None else None
             if not old or old == instance_id:
-                return NodeHello(row, materializations_before=before)
+                return NodeHello(session, materializations_before=before)
             assert prev is not None  # `old` came from it
             old_peer = prev["instance_peer"] or "unknown peer"
             message = f"instance {instance_id} ({peer or 'unknown peer'}) superseded instance {old} ({old_peer})"
@@ -859,7 +888,7 @@ class Store:
                 self.q["supersede_instance"], node_id, old, instance_id, prev["last_heartbeat_at"], handover_after,
                 message, prev["instance_peer"] or "", peer,
             )  # fmt: skip
-            return NodeHello(row, superseded=old, materializations_before=before)
+            return NodeHello(session, superseded=old, materializations_before=before)
 
     @_retried
     async def defer_node_loss(self, node_id: str, tokens: Sequence[int]) -> bool:
@@ -873,7 +902,7 @@ class Store:
 
     async def handover_due(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["handover_due"], limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["handover_due"], limit))
 
     @_retried
     async def handover_done(self) -> None:
@@ -884,9 +913,9 @@ class Store:
         async with self._conn() as conn:
             await conn.execute(self.q["node_event"], node_id, kind, message, detail or {})
 
-    async def node_events(self, node_id: str, after: int = 0, limit: int = 1000) -> list[Record]:
+    async def node_events(self, node_id: str, after: int = 0, limit: int = 1000) -> list[NodeEventRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["node_events"], node_id, after, limit)
+            return NodeEventRow.many(await conn.fetch(self.q["node_events"], node_id, after, limit))
 
     @_retried
     async def heartbeats(self, beats: Sequence[tuple[str, int]], gateway_id: str) -> set[str]:
@@ -908,9 +937,9 @@ class Store:
         async with self._conn() as conn:
             await conn.execute(self.q["release_gateway"], gateway_id)
 
-    async def tasks_on_node(self, node_id: str) -> list[TaskFactsRow]:
+    async def tasks_on_node(self, node_id: str) -> list[NodeTaskRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["tasks_on_node"], node_id)]
+            return NodeTaskRow.many(await conn.fetch(self.q["tasks_on_node"], node_id))
 
     @_retried
     async def redeliver(self, tokens: Sequence[int]) -> None:
@@ -928,28 +957,28 @@ class Store:
     async def take_outbox(self, node_ids: Sequence[str]) -> list[OutboxRow]:
         """What the nodes are owed (Assigns, stops), marked sent; ordered by node, then token."""
         async with self._conn() as conn:
-            return [OutboxRow.of(r) for r in await conn.fetch(self.q["take_outbox"], list(node_ids))]
+            return OutboxRow.many(await conn.fetch(self.q["take_outbox"], list(node_ids)))
 
     async def nodes_with_outbox(self) -> list[str]:
         async with self._conn() as conn:
             return [r["node_id"] for r in await conn.fetch(self.q["node_outbox_pending"])]
 
-    async def list_nodes(self) -> list[Record]:
+    async def list_nodes(self) -> list[NodeRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["list_nodes"])
+            return NodeRow.many(await conn.fetch(self.q["list_nodes"]))
 
-    async def list_nodes_page(self, *, limit: int, after: tuple[str, str] | None = None) -> list[Record]:
+    async def list_nodes_page(self, *, limit: int, after: tuple[str, str] | None = None) -> list[NodeRow]:
         """One page of nodes by (name, id), strictly after the keyset cursor `after`."""
         name, nid = after or (None, None)
         async with self._conn() as conn:
-            return await conn.fetch(self.q["list_nodes_page"], name, nid, limit)
+            return NodeRow.many(await conn.fetch(self.q["list_nodes_page"], name, nid, limit))
 
     async def count_nodes_after(self, *, after: tuple[str, str] | None = None, cap: int = 10_000) -> int:
         name, nid = after or (None, None)
         async with self._conn() as conn:
             return int(await conn.fetchval(self.q["count_nodes_after"], name, nid, cap))
 
-    async def get_node(self, ref: str) -> Record:
+    async def get_node(self, ref: str) -> NodeRow:
         """A node by id or by name, else by the start of one (as git takes a commit's); a name two
         nodes share, or a prefix several start with, is refused naming them."""
         async with self._conn() as conn:
@@ -968,7 +997,7 @@ class Store:
             raise NotFound(f"no node {ref!r} (by id, name, or the start of either)")
         if len(rows) > 1 and rows[0]["id"] != ref:
             raise Conflict(f"more than one node is named {ref!r}; use its id")
-        return rows[0]
+        return NodeRow.of(rows[0])
 
     @_retried
     async def set_labels(self, node_id: str, labels: dict[str, str], if_revision: int | None = None) -> None:
@@ -985,9 +1014,9 @@ class Store:
                 f"read its labels again (`podium nodes`) and decide again"
             )
 
-    async def placement_nodes(self) -> list[Record]:
+    async def placement_nodes(self) -> list[NodeRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["placement_nodes"])
+            return NodeRow.many(await conn.fetch(self.q["placement_nodes"]))
 
     @_retried
     async def set_draining(self, node_id: str, draining: bool, deadline: float | None = None) -> None:
@@ -1000,11 +1029,11 @@ class Store:
 
     # ---- sandboxes: resolved images, release proofs, inventories ---------------------------------
 
-    async def claim_unresolved(self, limit: int, lease_seconds: float) -> list[Record]:
+    async def claim_unresolved(self, limit: int, lease_seconds: float) -> list[UnresolvedRow]:
         """Up to `limit` queued container tasks due for resolving their image, each held for
         `lease_seconds` against other resolvers: (id, image, resolve_tries)."""
         async with self._conn() as conn:
-            return await conn.fetch(self.q["claim_unresolved"], limit, lease_seconds)
+            return UnresolvedRow.many(await conn.fetch(self.q["claim_unresolved"], limit, lease_seconds))
 
     async def set_resolved(self, digests: Sequence[tuple[uuid.UUID, str]]) -> set[uuid.UUID]:
         """Pin tasks' images to these digests; the tasks written (still queued and unresolved)."""
@@ -1045,18 +1074,19 @@ class Store:
             )  # fmt: skip
         return [(r["task_id"], r["fencing_token"], r["released"]) for r in rows]
 
-    async def release_abandoned(self, limit: int) -> list[Record]:
+    async def release_abandoned(self, limit: int) -> list[AbandonedReleaseRow]:
         """Release the ended container attempts waiting for a proof on nodes that are offline or
         removed: the node-loss policy has given up on them, and says so in the proof."""
         async with self._conn() as conn:
-            return await conn.fetch(self.q["release_abandoned"], limit, reasons.NODE_REVOKED, reasons.NODE_LOST)
+            rows = await conn.fetch(self.q["release_abandoned"], limit, reasons.NODE_REVOKED, reasons.NODE_LOST)
+        return AbandonedReleaseRow.many(rows)
 
-    async def nodes_releasing(self, node_ids: Sequence[str]) -> dict[str, Record]:
+    async def nodes_releasing(self, node_ids: Sequence[str]) -> dict[str, ReleasingRow]:
         """Per node, the capacity ended attempts still hold until their release proof."""
         if not node_ids:
             return {}
         async with self._conn() as conn:
-            return {r["node_id"]: r for r in await conn.fetch(self.q["nodes_releasing"], list(node_ids))}
+            return {r.node_id: r for r in ReleasingRow.many(await conn.fetch(self.q["nodes_releasing"], list(node_ids)))}
 
     async def set_artifacts(self, node_id: str, session: int, artifacts: Sequence[str]) -> bool:
         """A node's inventory of image digests, from its current session. False if not written (an
@@ -1066,23 +1096,25 @@ class Store:
 
     async def drain_overdue(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["drain_overdue"], limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["drain_overdue"], limit))
 
     # ---- security -------------------------------------------------------------------------------
 
-    async def insert_token(self, token_id: str, name: str, role: str, secret_hash: bytes, created_by: str) -> Record:
+    async def insert_token(self, token_id: str, name: str, role: str, secret_hash: bytes, created_by: str) -> TokenRow:
         async with self._conn() as conn:
-            return _returned(await conn.fetchrow(self.q["insert_token"], token_id, name, role, secret_hash, created_by))
+            row = await conn.fetchrow(self.q["insert_token"], token_id, name, role, secret_hash, created_by)
+        return TokenRow.of(_returned(row))
 
-    async def get_token(self, token_id: str) -> Record | None:
+    async def get_token(self, token_id: str) -> TokenCheckRow | None:
         async with self._conn() as conn:
-            return await conn.fetchrow(self.q["get_token"], token_id)
+            row = await conn.fetchrow(self.q["get_token"], token_id)
+        return None if row is None else TokenCheckRow.of(row)
 
-    async def list_tokens(self) -> list[Record]:
+    async def list_tokens(self) -> list[TokenRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["list_tokens"])
+            return TokenRow.many(await conn.fetch(self.q["list_tokens"]))
 
-    async def revoke_token(self, token_id: str) -> Record:
+    async def revoke_token(self, token_id: str) -> TokenRow:
         """Revoke the active token with this id, or the one whose id starts with it."""
         async with self._conn() as conn:
             row = await conn.fetchrow(self.q["revoke_token"], token_id)
@@ -1100,45 +1132,46 @@ class Store:
                     row = await conn.fetchrow(self.q["revoke_token"], rows[0]["id"])
         if row is None:
             raise NotFound(f"no active token {token_id!r} (by id or the start of one)")
-        return row
+        return TokenRow.of(row)
 
     async def active_tokens(self, role: str) -> int:
         async with self._conn() as conn:
             return int(await conn.fetchval(self.q["active_token_count"], role))
 
-    async def put_secret(self, name: str, nonce: bytes, ciphertext: bytes, actor: str) -> Record:
+    async def put_secret(self, name: str, nonce: bytes, ciphertext: bytes, actor: str) -> SecretRow:
         async with self._conn() as conn:
-            return _returned(await conn.fetchrow(self.q["put_secret"], name, nonce, ciphertext, actor))
+            return SecretRow.of(_returned(await conn.fetchrow(self.q["put_secret"], name, nonce, ciphertext, actor)))
 
-    async def list_secrets(self) -> list[Record]:
+    async def list_secrets(self) -> list[SecretRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["list_secrets"])
+            return SecretRow.many(await conn.fetch(self.q["list_secrets"]))
 
     async def delete_secret(self, name: str) -> None:
         async with self._conn() as conn:
             if await conn.fetchrow(self.q["delete_secret"], name) is None:
                 raise NotFound(f"no secret {name!r}")
 
-    async def get_secrets(self, names: Sequence[str]) -> list[Record]:
+    async def get_secrets(self, names: Sequence[str]) -> list[SealedSecretRow]:
         async with self._conn() as conn:
-            return await conn.fetch(self.q["get_secrets"], list(names))
+            return SealedSecretRow.many(await conn.fetch(self.q["get_secrets"], list(names)))
 
     async def audit(self, actor: str, action: str, target: str | None, detail: dict[str, Any] | None = None) -> None:
         async with self._conn() as conn:
             await conn.execute(self.q["audit"], actor, action, target, detail or {})
 
-    async def read_audit(self, limit: int, before: int | None = None) -> list[Record]:
+    async def read_audit(self, limit: int, before: int | None = None) -> list[AuditRow]:
         """One page of the audit log, newest first, of entries older than entry `before`."""
         async with self._conn() as conn:
-            return await conn.fetch(self.q["read_audit"], limit, before)
+            return AuditRow.many(await conn.fetch(self.q["read_audit"], limit, before))
 
     async def count_audit_after(self, before: int | None = None, cap: int = 10_000) -> int:
         async with self._conn() as conn:
             return int(await conn.fetchval(self.q["count_audit_after"], cap, before))
 
-    async def node_credential(self, node_id: str) -> Record | None:
+    async def node_credential(self, node_id: str) -> NodeCredentialRow | None:
         async with self._conn() as conn:
-            return await conn.fetchrow(self.q["node_credential"], node_id)
+            row = await conn.fetchrow(self.q["node_credential"], node_id)
+        return None if row is None else NodeCredentialRow.of(row)
 
     async def enrol_node(self, node_id: str, credential_hash: bytes) -> bool:
         async with self._conn() as conn:
@@ -1164,15 +1197,15 @@ class Store:
 
     async def overdue_accepts(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_overdue_accept"], limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["watch_overdue_accept"], limit))
 
     async def timed_out(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_timeouts"], limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["watch_timeouts"], limit))
 
     async def cancel_grace_expired(self, grace: float, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_cancel_grace"], grace, limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["watch_cancel_grace"], grace, limit))
 
     @_retried
     async def prune_finished(self, older_than: float, limit: int) -> int:
@@ -1184,10 +1217,10 @@ class Store:
 
     async def lost_tasks(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:
-            return [TaskFactsRow.of(r) for r in await conn.fetch(self.q["watch_lost"], limit)]
+            return TaskFactsRow.many(await conn.fetch(self.q["watch_lost"], limit))
 
 
-def _returned(row: Record | None) -> Record:
+def _returned(row: _Record | None) -> _Record:
     """The row an INSERT … RETURNING gave back (one always comes back)."""
     assert row is not None
     return row

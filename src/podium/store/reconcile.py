@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from podium.store.db import Record, Store, _retried
+from podium.store.db import Store, _retried
+from podium.store.rows import ReconcileClaimRow
 
 
 class ReconcileStore:
@@ -16,11 +17,12 @@ class ReconcileStore:
         self.serialization_retry_limit = store.serialization_retry_limit
 
     @_retried
-    async def claim(self, owner: str, limit: int, claim_seconds: float) -> list[Record]:
+    async def claim(self, owner: str, limit: int, claim_seconds: float) -> list[ReconcileClaimRow]:
         """Claim up to `limit` live attempts due for a check for `owner`, until `claim_seconds` from
         now, each with its task's and its node's facts as they are now."""
         async with self.store._conn() as conn:
-            return await conn.fetch(self.store.q["claim_reconcile"], owner, limit, claim_seconds)
+            rows = await conn.fetch(self.store.q["claim_reconcile"], owner, limit, claim_seconds)
+        return ReconcileClaimRow.many(rows)
 
     @_retried
     async def finish(self, owner: str, results: Sequence[tuple[int, str, float]]) -> set[int]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
-from podium.store.db import Record, Store
+from podium.store.db import Store
+from podium.store.rows import NamedSpecRow, StreamEventRow, TaskSummaryRow, UiSessionRow
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -49,11 +49,12 @@ class UiStore:
         state: str | None = None,
         tasks: bool = True,
         nodes: bool = True,
-    ) -> list[Record]:
+    ) -> list[StreamEventRow]:
         async with self.store._conn() as conn:
-            return await conn.fetch(
+            rows = await conn.fetch(
                 self.store.q["events_after"], str(cursor.txid), cursor.id, cursor.floor, limit, task_id, node_id, state, tasks, nodes
             )
+        return StreamEventRow.many(rows)
 
     async def events_held(self, cursor: Cursor) -> bool:
         async with self.store._conn() as conn:
@@ -68,24 +69,25 @@ class UiStore:
         node_id: str | None,
         labels: dict[str, str] | None,
         limit: int,
-    ) -> list[Record]:
+    ) -> list[TaskSummaryRow]:
         at, tid = before if before else (None, None)
         async with self.store._conn() as conn:
-            return await conn.fetch(
-                self.store.q["ui_tasks_page"], at, tid, state, name, node_id, labels or None, limit
-            )
+            rows = await conn.fetch(self.store.q["ui_tasks_page"], at, tid, state, name, node_id, labels or None, limit)
+        return TaskSummaryRow.many(rows)
 
-    async def spec_revisions(self, name: str) -> list[Record]:
+    async def spec_revisions(self, name: str) -> list[NamedSpecRow]:
         async with self.store._conn() as conn:
-            return await conn.fetch(self.store.q["ui_spec_revisions"], name)
+            return NamedSpecRow.many(await conn.fetch(self.store.q["ui_spec_revisions"], name))
 
     async def create_session(self, session_hash: bytes, token_id: str, csrf: str, ttl_seconds: float) -> None:
         async with self.store._conn() as conn:
             await conn.execute(self.store.q["ui_session_insert"], session_hash, token_id, csrf, ttl_seconds)
 
-    async def session(self, session_hash: bytes) -> Any:
+    async def session(self, session_hash: bytes) -> UiSessionRow | None:
+        """The live session with this hash, or None (unknown, ended or expired)."""
         async with self.store._conn() as conn:
-            return await conn.fetchrow(self.store.q["ui_session_get"], session_hash)
+            row = await conn.fetchrow(self.store.q["ui_session_get"], session_hash)
+        return None if row is None else UiSessionRow.of(row)
 
     async def end_session(self, session_hash: bytes) -> None:
         async with self.store._conn() as conn:

@@ -28,6 +28,6 @@ async def read_audit(
     rows = list(await store.read_audit(limit + 1, cur[0] if cur else None))
     remaining = None
     if count:
-        remaining = await store.count_audit_after(rows[limit - 1]["id"], REMAINING_CAP) if len(rows) > limit else 0
-    rows = page(request, response, rows, limit, lambda r: cursor("audit", r["id"]), remaining)
-    return [AuditOut(**dict(r)) for r in rows]
+        remaining = await store.count_audit_after(rows[limit - 1].id, REMAINING_CAP) if len(rows) > limit else 0
+    rows = page(request, response, rows, limit, lambda r: cursor("audit", r.id), remaining)
+    return [AuditOut.model_validate(r, from_attributes=True) for r in rows]

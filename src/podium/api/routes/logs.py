@@ -13,25 +13,19 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
-from podium.api.deps import StoreDep, Viewer, task_ref
+from podium.api.deps import EventHubDep, StoreDep, Viewer, task_ref
 from podium.api.events import EventHub
 from podium.api.models import LogChunkOut, LogsOut
 from podium.api.paging import ERRORS
 from podium.errors import InvalidRequest, StoreUnavailable
 from podium.states import TERMINAL, TaskState
 from podium.store import Store
+from podium.store.rows import LogChunkRow
 
 router = APIRouter()
-
-
-def _event_hub(request: Request) -> EventHub:
-    return request.app.state.event_hub
-
-
-EventHubDep = Annotated[EventHub, Depends(_event_hub)]
 
 BIGINT_MAX = 2**63 - 1
 _CURSOR = re.compile(r"^(\d{1,19})\.(\d{1,19})\.(stdout|stderr)$")
@@ -61,21 +55,21 @@ class _LogRead:
         self.offset = offset
         self.encoding = encoding
 
-    async def page(self, store: Store, limit: int) -> list[Any]:
+    async def page(self, store: Store, limit: int) -> list[LogChunkRow]:
         rows = await store.read_logs(self.tid, after=self.position, stream=self.stream, attempt=self.attempt,
                                      offset=self.offset, limit=limit)  # fmt: skip
         if rows:
             last = rows[-1]
-            self.position = (last["fencing_token"], last["seq"], last["stream"])
+            self.position = (last.fencing_token, last.seq, last.stream)
         return rows
 
-    def chunk(self, r: Any) -> LogChunkOut:
-        data, offset = bytes(r["data"]), r["byte_offset"]
+    def chunk(self, r: LogChunkRow) -> LogChunkOut:
+        data, offset = bytes(r.data), r.byte_offset
         if offset < self.offset:  # the chunk holding the byte asked for: from that byte on
             data, offset = data[self.offset - offset :], self.offset
         return LogChunkOut(
-            id=r["id"], attempt=r["attempt"], fencing_token=r["fencing_token"], stream=r["stream"], seq=r["seq"],
-            offset=offset, length=len(data), cursor=_log_cursor((r["fencing_token"], r["seq"], r["stream"])),
+            id=r.id, attempt=r.attempt, fencing_token=r.fencing_token, stream=r.stream, seq=r.seq,
+            offset=offset, length=len(data), cursor=_log_cursor((r.fencing_token, r.seq, r.stream)),
             data=base64.b64encode(data).decode() if self.encoding == "base64" else data.decode("utf-8", errors="replace"),
         )  # fmt: skip
 
@@ -97,7 +91,7 @@ async def _follow(store: Store, hub: EventHub, read: _LogRead) -> AsyncIterator[
                 yield (json.dumps({"chunk": read.chunk(r).model_dump()}) + "\n").encode()
             if rows:
                 continue
-            if TaskState(task["state"]) in TERMINAL:
+            if TaskState(task.state) in TERMINAL:
                 # the gateway stores an attempt's output before its end; one more read closes the gap
                 # between the two reads above
                 try:
@@ -108,7 +102,7 @@ async def _follow(store: Store, hub: EventHub, read: _LogRead) -> AsyncIterator[
                 for r in rows:
                     yield (json.dumps({"chunk": read.chunk(r).model_dump()}) + "\n").encode()
                 if not rows:
-                    end = {"state": task["state"], "exit_code": task["exit_code"], "reason": task["reason"]}
+                    end = {"state": task.state, "exit_code": task.exit_code, "reason": task.reason}
                     yield (json.dumps({"end": end}) + "\n").encode()
                     return
                 continue
@@ -149,16 +143,16 @@ async def logs(
     else:
         position = None
     if offset is not None and attempt is None:
-        attempt = task["attempts"] or None  # offsets count within one attempt: the latest one
+        attempt = task.attempts or None  # offsets count within one attempt: the latest one
     read = _LogRead(tid, position, stream, attempt, offset or 0, encoding)
     if not follow:
         rows = await read.page(store, limit)
         return LogsOut(
             chunks=[read.chunk(r) for r in rows],
-            next_after=rows[-1]["id"] if rows else after,
+            next_after=rows[-1].id if rows else after,
             next_cursor=_log_cursor(read.position) if read.position else None,
-            task_state=task["state"],
-            terminal=TaskState(task["state"]) in TERMINAL,
+            task_state=task.state,
+            terminal=TaskState(task.state) in TERMINAL,
         )
     # the hub's LISTEN is up before the first read, or a chunk stored between the two would wake no
     # one; a database not reachable yet is a 503 here, not a cut stream

@@ -19,7 +19,7 @@ router = APIRouter()
 async def _node(store: Store, node: str) -> NodeOut:
     """A node as the API shows it, with the capacity it still holds for sandboxes being removed."""
     row = await store.get_node(node)
-    return node_out(row, (await store.nodes_releasing([row["id"]])).get(row["id"]))
+    return node_out(row, (await store.nodes_releasing([row.id])).get(row.id))
 
 
 @router.get("/v1/nodes", response_model=list[NodeOut], responses=PAGED)
@@ -38,11 +38,11 @@ async def list_nodes(
     rows = list(await store.list_nodes_page(limit=limit + 1, after=pos))
     remaining = None
     if count:
-        last = (rows[limit - 1]["name"], rows[limit - 1]["id"]) if len(rows) > limit else None
+        last = (rows[limit - 1].name, rows[limit - 1].id) if len(rows) > limit else None
         remaining = await store.count_nodes_after(after=last, cap=REMAINING_CAP) if last else 0
-    rows = page(request, response, rows, limit, lambda r: cursor("nodes", r["name"], r["id"]), remaining)
-    releasing = await store.nodes_releasing([r["id"] for r in rows])
-    return [node_out(r, releasing.get(r["id"])) for r in rows]
+    rows = page(request, response, rows, limit, lambda r: cursor("nodes", r.name, r.id), remaining)
+    releasing = await store.nodes_releasing([r.id for r in rows])
+    return [node_out(r, releasing.get(r.id)) for r in rows]
 
 
 @router.get("/v1/nodes/{node}", response_model=NodeOut, responses=ERRORS)
@@ -59,7 +59,7 @@ async def node_events(
     """The node's history, oldest first: agent instances superseded, attempts handed over. Page
     with `after` = the last id seen."""
     row = await store.get_node(node)
-    return [NodeEventOut(**dict(r)) for r in await store.node_events(row["id"], after, limit)]
+    return [NodeEventOut.model_validate(r, from_attributes=True) for r in await store.node_events(row.id, after, limit)]
 
 
 @router.post("/v1/nodes/{node}/drain", response_model=NodeOut, responses=ERRORS)
@@ -82,9 +82,9 @@ async def drain(
         if seconds < 0:
             raise InvalidRequest("deadline: must not be negative (e.g. 10m)")
     row = await store.get_node(node)
-    await store.set_draining(row["id"], True, seconds)
-    await audit(store, who, "node.drain", row["id"], deadline=seconds)
-    return await _node(store, row["id"])
+    await store.set_draining(row.id, True, seconds)
+    await audit(store, who, "node.drain", row.id, deadline=seconds)
+    return await _node(store, row.id)
 
 
 @router.put("/v1/nodes/{node}/labels", response_model=NodeOut, responses=ERRORS)
@@ -99,9 +99,9 @@ async def set_labels(
     """Replace a node's labels. From then on the operator's labels win over what the agent reports.
     With `If-Match`, only if the node is still at that revision."""
     row = await store.get_node(node)
-    await store.set_labels(row["id"], body.labels, revision_of(if_match))
-    await audit(store, who, "node.labels", row["id"], labels=body.labels)
-    out = await _node(store, row["id"])
+    await store.set_labels(row.id, body.labels, revision_of(if_match))
+    await audit(store, who, "node.labels", row.id, labels=body.labels)
+    out = await _node(store, row.id)
     response.headers["ETag"] = f'"{out.revision}"'
     return out
 
@@ -109,9 +109,9 @@ async def set_labels(
 @router.post("/v1/nodes/{node}/undrain", response_model=NodeOut, responses=ERRORS)
 async def undrain(node: str, who: Operator, store: StoreDep) -> NodeOut:
     row = await store.get_node(node)
-    await store.set_draining(row["id"], False)
-    await audit(store, who, "node.undrain", row["id"])
-    return await _node(store, row["id"])
+    await store.set_draining(row.id, False)
+    await audit(store, who, "node.undrain", row.id)
+    return await _node(store, row.id)
 
 
 @router.post("/v1/nodes/{node}/revoke", response_model=NodeOut, responses=ERRORS)
@@ -119,7 +119,7 @@ async def revoke_node(node: str, who: Admin, store: StoreDep, scheduler: Schedul
     """Remove a node from the fleet: its stream is closed, it can never rejoin, and its tasks go
     through the node-loss policy."""
     row = await store.get_node(node)
-    await store.revoke_node(row["id"])
-    await scheduler.node_removed(row["id"])
-    await audit(store, who, "node.revoke", row["id"])
-    return await _node(store, row["id"])
+    await store.revoke_node(row.id)
+    await scheduler.node_removed(row.id)
+    await audit(store, who, "node.revoke", row.id)
+    return await _node(store, row.id)

@@ -22,4 +22,4 @@ async def registry_login(host: str, body: RegistryLoginIn, who: Admin, store: St
     value = json.dumps({"username": body.username, "password": body.password}).encode()
     row = await security.set_secret(name, value, who.actor)
     await audit(store, who, "registry.login", host, username=body.username)
-    return SecretOut(**row)
+    return SecretOut.model_validate(row, from_attributes=True)

@@ -16,14 +16,14 @@ router = APIRouter()
 async def set_secret(name: str, body: SecretIn, who: Admin, store: StoreDep, security: SecurityDep) -> SecretOut:
     """Create or replace a secret. The value is encrypted at rest and never returned."""
     row = await security.set_secret(checked_name(name), body.value.encode(), who.actor)
-    await audit(store, who, "secret.set", name, version=row["version"])
-    return SecretOut(**row)
+    await audit(store, who, "secret.set", name, version=row.version)
+    return SecretOut.model_validate(row, from_attributes=True)
 
 
 @router.get("/v1/secrets", response_model=list[SecretOut], responses=ERRORS)
 async def list_secrets(_who: Operator, store: StoreDep) -> list[SecretOut]:
     """Names, versions and times; never values."""
-    return [SecretOut(**dict(r)) for r in await store.list_secrets()]
+    return [SecretOut.model_validate(r, from_attributes=True) for r in await store.list_secrets()]
 
 
 @router.delete("/v1/secrets/{name}", status_code=204, responses=ERRORS)

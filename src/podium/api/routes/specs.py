@@ -19,7 +19,7 @@ router = APIRouter()
 async def put_spec(name: str, body: TaskSpec, who: Operator, store: StoreDep) -> NamedSpecOut:
     """Store a new revision of a named spec."""
     row = await store.put_named_spec(checked_name(name), body, actor=who.actor)
-    await audit(store, who, "spec.put", name, revision=row["revision"])
+    await audit(store, who, "spec.put", name, revision=row.revision)
     return named_spec_out(row)
 
 

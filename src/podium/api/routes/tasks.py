@@ -30,6 +30,7 @@ from podium.api.paging import AFTER_DOC, COUNT_DOC, ERRORS, PAGED, REMAINING_CAP
 from podium.errors import InvalidRequest
 from podium.spec import SubmitRequest
 from podium.states import TaskState
+from podium.store.rows import TaskRow
 
 router = APIRouter()
 
@@ -42,7 +43,7 @@ SUBMIT = {
 _SUBMIT_BATCH = {**ERRORS, 429: SUBMIT[429]}
 
 
-def submitted(row: Any, created: bool) -> JSONResponse:
+def submitted(row: TaskRow, created: bool) -> JSONResponse:
     """A submission's answer: 201 with the new task, or 200 with the one its idempotency key made."""
     resp = SubmitResponse(task=task_out(row), created=created)
     return JSONResponse(json.loads(resp.model_dump_json()), status_code=201 if created else 200)
@@ -72,8 +73,8 @@ async def check(body: SubmitRequest, _who: Viewer, scheduler: SchedulerDep) -> C
     runnable = any(v.failed is None for v, _row in verdicts)
     return CheckOut(
         runnable=runnable, reason=None if runnable else reasons.NO_COMPATIBLE_RUNNER,
-        nodes=[VerdictOut(node_id=v.node_id, name=row["name"], fits=v.failed is None, failed=v.failed, score=None,
-                          avoided=False, health=row["health"]) for v, row in verdicts],
+        nodes=[VerdictOut(node_id=v.node_id, name=row.name, fits=v.failed is None, failed=v.failed, score=None,
+                          avoided=False, health=row.health) for v, row in verdicts],
     )  # fmt: skip
 
 
@@ -111,18 +112,18 @@ async def list_tasks(
     rows = list(await store.list_tasks(**filters, limit=limit + 1, after=pos))
     remaining = None
     if count:
-        last = (rows[limit - 1]["created_at"], rows[limit - 1]["id"]) if len(rows) > limit else None
+        last = (rows[limit - 1].created_at, rows[limit - 1].id) if len(rows) > limit else None
         remaining = await store.count_tasks_after(**filters, after=last, cap=REMAINING_CAP) if last else 0
-    rows = page(request, response, rows, limit, lambda r: cursor("tasks", r["created_at"].isoformat(), str(r["id"])), remaining)
-    nodes = await store.last_attempt_nodes([r["id"] for r in rows])
-    return [task_out(r, nodes.get(r["id"])) for r in rows]
+    rows = page(request, response, rows, limit, lambda r: cursor("tasks", r.created_at.isoformat(), str(r.id)), remaining)
+    nodes = await store.last_attempt_nodes([r.id for r in rows])
+    return [task_out(r, nodes.get(r.id)) for r in rows]
 
 
 @router.get("/v1/tasks/{task_id}", response_model=TaskDetail, responses=ERRORS)
 async def get_task(task_id: str, _who: Viewer, store: StoreDep, response: Response) -> TaskDetail:
     task, attempts, events = await store.task_detail(await task_ref(store, task_id))
-    last = (await store.last_attempt_nodes([task["id"]])).get(task["id"])
-    response.headers["ETag"] = f'"{task["revision"]}"'
+    last = (await store.last_attempt_nodes([task.id])).get(task.id)
+    response.headers["ETag"] = f'"{task.revision}"'
     return TaskDetail(
         **task_out(task, last).model_dump(), attempt_list=[attempt_out(a) for a in attempts], events=[event_out(e) for e in events]
     )
@@ -142,8 +143,8 @@ async def cancel(
     if the task is still at that revision."""
     tid = await task_ref(store, task_id)
     row = await scheduler.cancel(tid, actor=who.actor, if_revision=revision_of(if_match))
-    await audit(store, who, "task.cancel", str(tid), state=row["state"])
-    response.headers["ETag"] = f'"{row["revision"]}"'
+    await audit(store, who, "task.cancel", str(tid), state=row.state)
+    response.headers["ETag"] = f'"{row.revision}"'
     return task_out(row)
 
 
@@ -152,10 +153,10 @@ async def explain(task_id: str, _who: Viewer, store: StoreDep, scheduler: Schedu
     """Why is my task still queued? Every node with the first check it fails, or its score."""
     task, verdicts, avoid = await scheduler.explain(await task_ref(store, task_id))
     return ExplainOut(
-        task_id=task["id"], state=task["state"], reason=task["reason"], node_id=task["node_id"],
-        nodes=[VerdictOut(node_id=v.node_id, name=row["name"] if row else v.node_id, fits=v.failed is None,
+        task_id=task.id, state=task.state, reason=task.reason, node_id=task.node_id,
+        nodes=[VerdictOut(node_id=v.node_id, name=row.name if row else v.node_id, fits=v.failed is None,
                           failed=v.failed, score=v.score, avoided=v.node_id in avoid,
-                          health=row["health"] if row else None, holds=list(v.holds)) for v, row in verdicts],
+                          health=row.health if row else None, holds=list(v.holds)) for v, row in verdicts],
     )  # fmt: skip
 
 
@@ -172,5 +173,5 @@ async def task_events(
     """A task's history in the order it happened, one page at a time (see `GET /v1/tasks` for paging)."""
     cur = uncursor("events", after, (int,))
     rows = list(await store.task_events(await task_ref(store, task_id), cur[0] if cur else 0, limit + 1))
-    rows = page(request, response, rows, limit, lambda r: cursor("events", r["id"]), None)
+    rows = page(request, response, rows, limit, lambda r: cursor("events", r.id), None)
     return [event_out(e) for e in rows]

@@ -26,6 +26,8 @@ from podium.security.service import REGISTRY_PREFIX, Principal
 from podium.security.tokens import Role, allows
 from podium.spec import TaskSpec, validate_name
 from podium.states import TERMINAL, TaskState
+from podium.store import Store
+from podium.store.rows import LogChunkRow, StreamEventRow, TaskRow
 from podium.store.ui import Cursor
 
 CSP = (
@@ -199,7 +201,7 @@ def router() -> APIRouter:
         note: str | None = None,
     ) -> HTMLResponse:  # fmt: skip
         who = await _who(request)
-        store = request.app.state.store
+        store: Store = request.app.state.store
         errors = []
         state_v = state if state in {s.value for s in TaskState} else None
         if state and not state_v:
@@ -207,7 +209,7 @@ def router() -> APIRouter:
         node_id = None
         if node:
             try:
-                node_id = (await store.get_node(node))["id"]
+                node_id = (await store.get_node(node)).id
             except NotFound:
                 errors.append(f"node: no node {node!r}")
                 node_id = "\x01none"  # matches nothing
@@ -234,7 +236,7 @@ def router() -> APIRouter:
         next_url = None
         if more:
             last = rows[-1]
-            next_url = "/?" + urlencode({**filters, "before": f"{last['created_at'].isoformat()}_{last['id']}"})
+            next_url = "/?" + urlencode({**filters, "before": f"{last.created_at.isoformat()}_{last.id}"})
         live = None
         if not before and not labels:
             live = "/ui/stream/tasks?" + urlencode({**{k: v for k, v in filters.items() if k != "label"}, "from": stream_from})
@@ -245,17 +247,17 @@ def router() -> APIRouter:
     @r.get("/tasks/{task_id}")
     async def task(request: Request, task_id: str, note: str | None = None) -> HTMLResponse:
         who = await _who(request)
-        store = request.app.state.store
+        store: Store = request.app.state.store
         tid = _uuid(task_id)
         stream_from = await _stream_from(request)
         row, attempts, evs = await store.task_detail(tid)
         explain = None
-        if row["state"] == TaskState.QUEUED:
+        if row.state == TaskState.QUEUED:
             _t, verdicts, avoid = await request.app.state.scheduler.explain(tid)
             explain = [(v, n, v.node_id in avoid) for v, n in verdicts]
-        terminal = TaskState(row["state"]) in TERMINAL
+        terminal = TaskState(row.state) in TERMINAL
         return page(request, "task.html", who=who, t=row, attempts=attempts, events=evs, explain=explain,
-                    terminal=terminal, failure_class="failure_class" in (attempts[0].keys() if attempts else ()),
+                    terminal=terminal, failure_class=bool(attempts),
                     live="/ui/stream/task/" + str(tid) + "?" + urlencode({"from": stream_from}),
                     logs="/ui/stream/logs/" + str(tid), note=note)  # fmt: skip
 
@@ -264,7 +266,7 @@ def router() -> APIRouter:
         who, _form_ = await _post(request, Role.OPERATOR)
         tid = _uuid(task_id)
         row = await request.app.state.scheduler.cancel(tid, actor=who.principal.actor)
-        await request.app.state.store.audit(who.principal.actor, "task.cancel", str(tid), {"state": row["state"], "via": "ui"})
+        await request.app.state.store.audit(who.principal.actor, "task.cancel", str(tid), {"state": row.state, "via": "ui"})
         return _back(f"/tasks/{tid}")
 
     # ---- nodes -----------------------------------------------------------------------------
@@ -272,23 +274,23 @@ def router() -> APIRouter:
     @r.get("/nodes")
     async def nodes(request: Request, note: str | None = None) -> HTMLResponse:
         who = await _who(request)
-        store = request.app.state.store
+        store: Store = request.app.state.store
         rows = await store.list_nodes()
         running: dict[str, list[Any]] = {}
         for n in rows:
-            if n["revoked_at"] is None:
-                on = await store.list_tasks(node_id=n["id"], limit=200)
-                running[n["id"]] = [t for t in on if TaskState(t["state"]) not in TERMINAL]
+            if n.revoked_at is None:
+                on = await store.list_tasks(node_id=n.id, limit=200)
+                running[n.id] = [t for t in on if TaskState(t.state) not in TERMINAL]
         return page(request, "nodes.html", who=who, nodes=rows, running=running, note=note,
                     live="/ui/stream/nodes?" + urlencode({"from": await _stream_from(request)}))  # fmt: skip
 
     def node_action(action: str, apply: Callable[[Any, str, dict[str, str]], Any]) -> Any:
         async def handler(request: Request, node: str) -> Response:
             who, form = await _post(request, Role.OPERATOR)
-            store = request.app.state.store
+            store: Store = request.app.state.store
             row = await store.get_node(node)
-            detail = await apply(store, row["id"], form)
-            await store.audit(who.principal.actor, f"node.{action}", row["id"], {**(detail or {}), "via": "ui"})
+            detail = await apply(store, row.id, form)
+            await store.audit(who.principal.actor, f"node.{action}", row.id, {**(detail or {}), "via": "ui"})
             return _back("/nodes")
 
         return handler
@@ -322,7 +324,7 @@ def router() -> APIRouter:
         if not revs:
             raise NotFound(f"no spec named {name!r}")
         return page(request, "spec.html", who=who, name=name, revisions=revs, note=note,
-                    draft=json.dumps(revs[0]["spec"], indent=2, sort_keys=True))  # fmt: skip
+                    draft=json.dumps(revs[0].spec, indent=2, sort_keys=True))  # fmt: skip
 
     @r.post("/specs/{name}")
     async def put_spec(request: Request, name: str) -> Response:
@@ -333,15 +335,15 @@ def router() -> APIRouter:
         except (ValueError, ValidationError) as e:
             return _back(f"/specs/{name}", f"the spec was not stored: {str(e).splitlines()[0]}")
         row = await request.app.state.store.put_named_spec(name, body, actor=who.principal.actor)
-        await request.app.state.store.audit(who.principal.actor, "spec.put", name, {"revision": row["revision"], "via": "ui"})
-        return _back(f"/specs/{name}", f"stored revision {row['revision']}")
+        await request.app.state.store.audit(who.principal.actor, "spec.put", name, {"revision": row.revision, "via": "ui"})
+        return _back(f"/specs/{name}", f"stored revision {row.revision}")
 
     @r.post("/specs/{name}/submit")
     async def submit_spec(request: Request, name: str) -> Response:
         who, form = await _post(request, Role.OPERATOR)
         revision = int(form["revision"]) if form.get("revision", "").isdigit() else None
         row, _created = await request.app.state.store.submit_named(name, revision, idempotency_key=None, actor=who.principal.actor)
-        return _back(f"/tasks/{row['id']}")
+        return _back(f"/tasks/{row.id}")
 
     # ---- admin -----------------------------------------------------------------------------
 
@@ -350,38 +352,38 @@ def router() -> APIRouter:
         who = await _who(request)
         if not who.admin:
             raise Forbidden(f"a {who.role} token may not see this page; it needs the admin role")
-        store = request.app.state.store
+        store: Store = request.app.state.store
         secrets_ = await store.list_secrets()
         return page(request, "admin.html", who=who, tokens=await store.list_tokens(),
-                    secrets=[s for s in secrets_ if not s["name"].startswith(REGISTRY_PREFIX)],
-                    registries=[s for s in secrets_ if s["name"].startswith(REGISTRY_PREFIX)],
+                    secrets=[s for s in secrets_ if not s.name.startswith(REGISTRY_PREFIX)],
+                    registries=[s for s in secrets_ if s.name.startswith(REGISTRY_PREFIX)],
                     audit=await store.read_audit(100), prefix=REGISTRY_PREFIX)  # fmt: skip
 
     # ---- live streams (server-sent HTML fragments for htmx) ------------------------------------
 
     async def _stream(request: Request, filters: events.Filters, cursor: Cursor | None,
-                      render: Callable[[Any], str]) -> StreamingResponse:  # fmt: skip
+                      render: Callable[[StreamEventRow], str]) -> StreamingResponse:  # fmt: skip
         await _who(request)
         last = request.headers.get("last-event-id")
         if last:
             cursor = await request.app.state.ui_store.cursor_of(int(last)) if last.isdigit() else cursor
 
-        def one(row: Any) -> bytes:
-            return events.sse("message", render(row), row["id"])
+        def one(row: StreamEventRow) -> bytes:
+            return events.sse("message", render(row), row.id)
 
         return StreamingResponse(events.event_stream(request.app.state.event_hub, cursor, filters, one),
                                  media_type="text/event-stream", headers=events.SSE_HEADERS)  # fmt: skip
 
     @r.get("/ui/stream/tasks")
     async def stream_tasks(request: Request, state: str = "", name: str = "", node: str = "") -> StreamingResponse:
-        store = request.app.state.store
+        store: Store = request.app.state.store
         filters = await events.parse_filters(store, None, node or None, None, "task")
         cursor = _parse_from(request.query_params.get("from"))
 
-        def render(e: Any) -> str:
-            if (state and e["state"] != state) or (name and e["task_name"] != name):
+        def render(e: StreamEventRow) -> str:
+            if (state and e.state != state) or (name and e.task_name != name):
                 return ""
-            return fragment("_task_row_event.html", e=e, new=e["from_state"] is None)
+            return fragment("_task_row_event.html", e=e, new=e.from_state is None)
 
         return await _stream(request, filters, cursor, render)
 
@@ -402,16 +404,16 @@ def router() -> APIRouter:
     async def stream_logs(request: Request, task_id: str) -> StreamingResponse:
         await _who(request)
         tid = _uuid(task_id)
-        store = request.app.state.store
+        store: Store = request.app.state.store
         await store.get_task(tid)
         last = request.headers.get("last-event-id", "")
         after = int(last) if last.isdigit() else 0
 
-        def chunk(row: Any) -> bytes:
-            text = bytes(row["data"]).decode("utf-8", errors="replace")
-            return events.sse("chunk", fragment("_log_chunk.html", text=text, stream=row["stream"]), row["id"])
+        def chunk(row: LogChunkRow) -> bytes:
+            text = bytes(row.data).decode("utf-8", errors="replace")
+            return events.sse("chunk", fragment("_log_chunk.html", text=text, stream=row.stream), row.id)
 
-        def end(t: Any) -> bytes:
+        def end(t: TaskRow) -> bytes:
             return events.sse("end", fragment("_log_end.html", t=t))
 
         return StreamingResponse(events.log_stream(store, request.app.state.event_hub, tid, after, chunk, end),
