@@ -138,6 +138,28 @@ def _nodes(b: Bench) -> list:  # type: ignore[type-arg]
         return []
 
 
+#: The dispatcher's own counters, read from the server's /metrics around the burst: passes, rows it
+#: claimed (locked and placed or given a reason), reasons it wrote, placements. A build that has no
+#: such counter prints none.
+DISPATCH_COUNTERS = {
+    "passes": "podium_dispatch_seconds_count",
+    "claimed": "podium_dispatch_claimed_total",
+    "reasons_written": "podium_dispatch_reasons_written_total",
+    "placements": "podium_placements_total",
+}
+
+
+def dispatch_counters(url: str, token: str) -> dict[str, float]:
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    return {k: float(values[m]) for k, m in DISPATCH_COUNTERS.items() if m in values}
+
+
 def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -160,9 +182,11 @@ def main() -> None:
         b = run.start()
         b.warm_up(10 * a.agents)
         if a.tasks:
+            counted = dispatch_counters(b.addr, b.token)
             load0, before = load(), cpu_ticks(str(run.tmp))
             r = b.burst(a.tasks, a.batch)
             after = cpu_ticks(str(run.tmp))
+            r["dispatch"] = {k: int(v - counted[k]) for k, v in dispatch_counters(b.addr, b.token).items()}
             hz = os.sysconf("SC_CLK_TCK")
             r["cpu_ms_per_task"] = {k: round((after.get(k, 0) - before.get(k, 0)) * 1000 / hz / a.tasks, 2)
                                     for k in sorted(after)}  # fmt: skip
@@ -195,6 +219,8 @@ def summary(r: dict) -> str:  # type: ignore[type-arg]
              f"  submit → running p50/p99 {pr('submit_to_running_ms')}; → succeeded {pr('submit_to_succeeded_ms')}"]  # fmt: skip
     if "submit_to_first_instruction_ms" in r:
         lines.append(f"  submit → first instruction p50/p99 {pr('submit_to_first_instruction_ms')}")
+    if r.get("dispatch"):
+        lines.append("  dispatcher over the burst: " + ", ".join(f"{k} {v}" for k, v in r["dispatch"].items()))
     if "cpu_ms_per_task" in r:
         lines.append("  CPU ms per task: " + ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_task"].items()))
     return "\n".join(lines)

@@ -19,6 +19,12 @@ DISPATCH_WINDOW_FULL = Counter(
     "podium_dispatch_window_full_total",
     "Dispatch ticks that placed nothing because the fleet had `assign_window` assignments unaccepted.",
 )
+DISPATCH_CLAIMED = Counter(
+    "podium_dispatch_claimed_total", "Queued tasks claimed (locked, read, placed or given a reason) by dispatch passes."
+)
+DISPATCH_REASONS_WRITTEN = Counter(
+    "podium_dispatch_reasons_written_total", "Queued tasks whose waiting reason a dispatch pass changed."
+)
 NODE_REPORTS = Counter(
     "podium_node_reports_total",
     "Task events from nodes, by what became of them: applied (a transition), settled (nothing to change), "

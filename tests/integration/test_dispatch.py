@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from podium import reasons
 from podium.store import Store
@@ -121,13 +122,20 @@ async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_ch
 
     sched = scheduler(store)
     seen: list[set[str]] = []
-    decide = sched.dispatcher.decide
+    plan = sched.dispatcher.plan
 
-    def counting(tasks, changed, horizon, operations=None):  # type: ignore[no-untyped-def]
-        seen.append({r.id for r in changed})
-        return decide(tasks, changed, horizon, operations)
+    def counting(*, whole_window):  # type: ignore[no-untyped-def]
+        p = plan(whole_window=whole_window)
+        begin = p.begin
 
-    sched.dispatcher.decide = counting  # type: ignore[method-assign]
+        def seeing(changed, horizon, operations):  # type: ignore[no-untyped-def]
+            seen.append({r.id for r in changed})
+            return begin(changed, horizon, operations)
+
+        p.begin = seeing  # type: ignore[method-assign]
+        return p
+
+    sched.dispatcher.plan = counting  # type: ignore[method-assign]
     await add_node(store, "n1", slots=1)
     await add_node(store, "n2", slots=1)
     t1, t2, t3 = [await submit(store) for _ in range(3)]
@@ -177,3 +185,110 @@ async def test_the_watchdog_gives_a_removed_nodes_tasks_the_removal_as_reason(st
     assert (t_again.state, t_again.reason) == ("queued", reasons.NODE_REVOKED)
     await scheduler(store).node_removed("n1")  # then the removal's pass finds nothing left to do
     assert (await store.get_task(keep)).state == "lost"
+
+
+def _patient(store: Store) -> Any:
+    """A scheduler whose tick is an hour: its first pass looks at the whole window (for reasons),
+    every later one only at what the free room could take."""
+    import dataclasses
+
+    from podium.scheduler.service import Scheduler
+    from podium.timing import DEFAULT_TIMING
+
+    return Scheduler(store, dataclasses.replace(DEFAULT_TIMING, tick=3600.0), server_id="patient")
+
+
+async def _free_one(store: Store, assigned: tuple[Any, str, int]) -> None:
+    from podium.states import AttemptState, TaskState
+
+    tid, node, tok = assigned
+    assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.SUCCEEDED, actor="node", fencing_token=tok,
+                                       node_id=node, exit_code=0, end_attempt=AttemptState.EXITED)  # fmt: skip
+
+
+async def test_a_pass_claims_only_what_the_free_room_could_take(store: Store) -> None:
+    """A burst on a full fleet: the pass a freed slot wakes locks one queued row, not the backlog's
+    head, and places the oldest task; with no room at all it claims nothing."""
+    await add_node(store, "n1", slots=2)
+    ids = [await submit(store) for _ in range(30)]
+    sched = _patient(store)
+    first = await sched.dispatch_once()  # the whole window: every task is told its reason
+    assert first.claimed == 30 and [a[0] for a in first.assigned] == ids[:2]
+    assert set(first.unplaced) == set(ids[2:]) and set(first.unplaced.values()) == {reasons.FULL}
+    nothing = await sched.dispatch_once()
+    assert (nothing.claimed, nothing.assigned, nothing.reasons_written) == (0, [], 0)
+    await _free_one(store, first.assigned[0])
+    one = await sched.dispatch_once()
+    assert one.claimed == 1 and [a[0] for a in one.assigned] == [ids[2]]  # the oldest, in claim order
+    for tid in ids[3:]:
+        assert (await store.get_task(tid)).reason == reasons.FULL  # untouched, still true
+
+
+async def test_tasks_no_free_node_can_run_do_not_hide_the_ones_behind_them(store: Store) -> None:
+    """The claim goes on past tasks the free room cannot serve (a label no node has), in claim order,
+    until it finds one it can place: the same placement a look at the whole window makes."""
+    await add_node(store, "n1", slots=1)
+    busy = await submit(store)
+    sched = _patient(store)
+    first = await sched.dispatch_once()
+    assert [a[0] for a in first.assigned] == [busy]
+    picky = [await submit(store, labels={"gpu": "h100"}) for _ in range(9)]
+    plain = await submit(store)
+    later = [await submit(store) for _ in range(20)]
+    await _free_one(store, first.assigned[0])
+    out = await sched.dispatch_once()
+    assert [a[0] for a in out.assigned] == [plain]
+    # chunks of 1, 1, 2, 4, 8 rows: the last also holds six tasks behind, told the truth (full now)
+    assert out.claimed == 16
+    assert out.unplaced == {t: reasons.NO_LABELS for t in picky} | {t: reasons.FULL for t in later[:6]}
+    for tid in later[6:]:
+        assert (await store.get_task(tid)).reason == reasons.WAITING  # not looked at yet
+
+
+async def test_a_task_not_looked_at_is_told_its_reason_within_a_tick(store: Store) -> None:
+    """On a full fleet a new task is not claimed by the passes freed room wakes; the next look at the
+    whole window (once a tick; a new scheduler's first pass) tells it why it waits, and writes only
+    the reasons that changed."""
+    await add_node(store, "n1", slots=1)
+    await submit(store)
+    sched = _patient(store)
+    assert len((await sched.dispatch_once()).assigned) == 1
+    waiting = [await submit(store) for _ in range(3)]
+    out = await sched.dispatch_once()
+    assert out.claimed == 0 and [(await store.get_task(t)).reason for t in waiting] == [reasons.WAITING] * 3
+    looked = await _patient(store).dispatch_once()  # a tick later: the whole window
+    assert looked.unplaced == {t: reasons.FULL for t in waiting} and looked.reasons_written == 3
+    async with store.pool.acquire() as c:
+        marks = await c.fetch("SELECT id, xmin::text, updated_at FROM tasks WHERE id = ANY($1) ORDER BY id", waiting)
+    again = await _patient(store).dispatch_once()
+    assert again.unplaced == looked.unplaced and again.reasons_written == 0
+    async with store.pool.acquire() as c:  # no row was written for a reason that did not change
+        assert await c.fetch("SELECT id, xmin::text, updated_at FROM tasks WHERE id = ANY($1) ORDER BY id", waiting) == marks
+
+
+async def test_a_claimed_spec_is_decoded_once_while_it_stays_the_same(store: Store, monkeypatch: Any) -> None:
+    """Every look at the whole window claims the same waiting rows again; a spec is decoded the first
+    time its text is seen only, and the answers stay those of a fresh decode."""
+    import dataclasses
+    import json
+    import types
+
+    from podium.scheduler import dispatch as dispatch_module
+    from podium.scheduler.service import Scheduler
+    from podium.timing import DEFAULT_TIMING
+
+    decoded: list[str] = []
+    monkeypatch.setattr(dispatch_module, "json", types.SimpleNamespace(loads=lambda s: decoded.append(s) or json.loads(s)))
+    await add_node(store, "n1", slots=1, labels={"zone": "a"})
+    ids = [await submit(store, command=["true", str(i)]) for i in range(5)]  # five different specs
+    eager = Scheduler(store, dataclasses.replace(DEFAULT_TIMING, tick=0.0), server_id="eager")  # always the whole window
+    first = await eager.dispatch_once()
+    assert [a[0] for a in first.assigned] == ids[:1] and len(decoded) == 5
+    second = await eager.dispatch_once()
+    assert second.unplaced == first.unplaced == {t: reasons.FULL for t in ids[1:]} and len(decoded) == 5
+    elsewhere = await submit(store, labels={"zone": "b"})
+    third = await eager.dispatch_once()
+    assert third.unplaced[elsewhere] == reasons.NO_LABELS and len(decoded) == 6
+    alike = [await submit(store, command=["true", "0"]) for _ in range(3)]  # the same spec as a waiting one
+    fourth = await eager.dispatch_once()
+    assert {fourth.unplaced[t] for t in alike} == {reasons.FULL} and len(decoded) == 6

@@ -223,9 +223,9 @@ async def test_the_reservation_refuses_more_operations_than_the_node_allows(stor
     # a scheduler that believes the node has an operation free (a stale view) is refused by the row guard
     sched = Scheduler(store, DEFAULT_TIMING, server_id="stale")
     tid = await submit(store)
-    out = await sched.store.dispatch(
-        claim_limit=10, accept_seconds=15, lease_seconds=300, actor="stale",
-        decide=lambda tasks, nodes, horizon, ops: sched.dispatcher.decide(tasks, nodes, horizon, {}),
-    )  # fmt: skip
+    plan = sched.dispatcher.plan(whole_window=True)
+    begin = plan.begin
+    plan.begin = lambda nodes, horizon, ops: begin(nodes, horizon, {})  # type: ignore[method-assign]
+    out = await sched.store.dispatch(claim_limit=10, accept_seconds=15, lease_seconds=300, actor="stale", plan=plan)
     assert out.assigned == [] and out.lost_races == 1
     assert (await store.get_task(tid)).state == "queued"

@@ -520,6 +520,50 @@ def test_placer_matches_select_node_on_a_larger_fleet(policy: str, block: int, m
     assert [placer.snapshot(n.id) for n in current] == current
 
 
+def test_placeable_at_most_counts_free_slots_and_operations_of_nodes_that_take_work() -> None:
+    fleet = [
+        node("a"),  # 4 slots free
+        node("b", reserved=Resources(slots=3)),  # 1
+        node("c", max_operations=2),  # 4 slots, but 2 operations
+        node("d", operations=4),  # operations all in use: 0
+        node("e", draining=True),
+        node("f", health="unreachable"),
+        node("g", connected=False),
+        node("h", reserved=Resources(slots=5)),  # over-reserved (a bug upstream): 0, not -1
+    ]
+    assert placement.placeable_at_most(fleet) == 4 + 1 + 2
+    assert placement.placeable_at_most([]) == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_batch_of_tasks_places_more_than_placeable_at_most(seed: int) -> None:
+    """The dispatcher claims no more tasks than this bound while nothing else could be placed, so it
+    must never be below what any sequence of tasks actually gets placed."""
+    rng = random.Random(seed)
+    sizes = [Resources(2000, 4 * GIB, 50 * GIB, 0, 4), Resources(8000, 32 * GIB, 200 * GIB, 2, 8)]
+    fleet = [
+        NodeSnapshot(
+            id=f"node-{i:02d}",
+            pool=rng.choice(["default", "batch"]),
+            draining=rng.random() < 0.1,
+            health=rng.choice(["online"] * 8 + ["offline", "unreachable"]),
+            allocatable=(size := rng.choice(sizes)),
+            reserved=Resources(0, 0, 0, 0, rng.randrange(0, size.slots + 1)),
+            gpu_free=tuple(range(size.gpus)),
+            max_operations=rng.randrange(1, 6),
+            operations=rng.randrange(0, 3),
+        )
+        for i in range(30)
+    ]
+    bound = placement.placeable_at_most(fleet)
+    shapes = [req(), req(pool="batch"), req(resources=replace(TASK, gpus=1)), req(resources=replace(TASK, cpu_millis=250))]
+    placer = Placer(fleet)
+    placed = sum(isinstance(placer.place(rng.choice(shapes)), Placement) for _ in range(400))
+    assert 0 < placed <= bound
+    tiny = Placer(fleet)  # the smallest task fills every slot and operation the bound counts
+    assert sum(isinstance(tiny.place(req(resources=Resources(slots=1))), Placement) for _ in range(400)) == bound
+
+
 # --- explain -----------------------------------------------------------------------------------------------
 
 
@@ -558,6 +602,7 @@ def test_public_surface() -> None:
             "Resources",
             "Unplaceable",
             "explain",
+            "placeable_at_most",
             "select_node",
         ]
     )

@@ -12,6 +12,7 @@ store, gRPC or asyncio, read a clock, draw a random number, or import any other 
 See README.md in this folder for the pipeline and which file holds which step.
 """
 
+from .filters import placeable_at_most
 from .index import Placer
 from .model import (
     BINPACK,
@@ -38,5 +39,6 @@ __all__ = [
     "Resources",
     "Unplaceable",
     "explain",
+    "placeable_at_most",
     "select_node",
 ]

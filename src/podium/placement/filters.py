@@ -14,7 +14,7 @@ equal. Nothing here may read a clock, do I/O or depend on the order of its input
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from podium import reasons
 
@@ -153,6 +153,21 @@ def free_of(node: NodeSnapshot) -> Free:
         a.slots - (r.slots if r.slots > 0 else 0),
         node.max_operations - (node.operations if node.operations > 0 else 0),
     )
+
+
+def placeable_at_most(nodes: Iterable[NodeSnapshot]) -> int:
+    """placeable_at_most bounds how many tasks these nodes can take now, whatever the tasks ask:
+    every placement takes one slot and one provisioning operation (`need_of`) of a node that passes
+    the availability, draining and reachability checks. The dispatcher claims no more queued tasks
+    than this (plus those no such node could run at all), so the bound must never be low."""
+    total = 0
+    for node in nodes:
+        if node.connected and node.health == ONLINE and not node.draining:
+            free = free_of(node)
+            room = free[4] if free[4] < free[5] else free[5]
+            if room > 0:
+                total += room
+    return total
 
 
 def need_of(resources: Resources) -> Free:

@@ -7,18 +7,26 @@ since its last read), lets the pure `Placer` choose, and hands the choices to `S
 makes them durable in one transaction — each a compare-and-set on the queued task and a conditional
 reservation on its node. It never transitions a task from what it remembers: the snapshots only
 choose, the store decides whether the choice still holds.
+
+A pass claims (locks, decodes, asks the placer about) only as many queued tasks as the free slots
+could take, in claim order, and more only while the ones claimed could not use the room there is: a
+burst of a thousand tasks on a full fleet no longer locks the backlog's head at every freed slot.
+The tasks behind the claimed ones keep the reason they were last given; once per tick a pass looks
+at the whole window (`claim_limit`) as before, so every queued task in it, a new one too, is told its
+true reason within a tick.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import uuid
 from typing import Any
 
 from podium import metrics
-from podium.placement import NodeSnapshot, Placer, Requirements, Resources, Unplaceable
+from podium.placement import NodeSnapshot, Placer, Requirements, Resources, Unplaceable, placeable_at_most
 from podium.scheduler.woken import WokenLoop
 from podium.store import Store
 from podium.store.db import DispatchOutcome, PlacementDecision
@@ -28,6 +36,9 @@ from podium.timing import Timing
 log = logging.getLogger(__name__)
 
 WINDOW_POLL = 0.02  # seconds between looks at a full assignment window
+# Requirements kept between passes, keyed by everything they are made of (the spec's text among it,
+# so a changed spec is simply another key); dropped all at once past this many.
+REQUIREMENTS_KEPT = 8192
 FULL_NODE_READ_EVERY = 60.0  # seconds between reads of every node row (in between: changed rows only)
 
 
@@ -95,6 +106,56 @@ def requirements(
     )
 
 
+class DispatchPass:
+    """One pass's side of `Store.dispatch`: a placer over the nodes as they are now, a bound on how
+    many tasks it could still place, and whether this pass looks at the whole window (for reasons)
+    or only at what the free room could take."""
+
+    def __init__(self, dispatcher: Dispatcher, *, whole_window: bool) -> None:
+        self.dispatcher = dispatcher
+        self.whole_window = whole_window
+        self.placer: Placer | None = None
+        self.room = 0  # at most this many more placements are possible in this pass
+
+    def begin(self, changed: list[NodeRow], horizon: int, operations: dict[str, int]) -> None:
+        d = self.dispatcher
+        d._remember_nodes(changed, horizon)
+        d._snaps = with_operations(d._snaps, operations)
+        self.placer = Placer([d._snaps[k] for k in sorted(d._snaps)], policy=d.policy_name)
+        self.room = placeable_at_most(d._snaps.values())
+
+    def want(self, claimed: int, limit: int) -> int:
+        if self.whole_window:
+            return limit - claimed
+        if self.room <= 0:
+            return 0  # no task could be placed: the claimed ones, if any, already have their reason
+        # First exactly what the room could take. If tasks the free nodes cannot run (another pool,
+        # labels, GPUs) held part of it, claim on, at least as many as so far each time, so that a
+        # long run of them costs a few round trips and the tasks behind them are still reached.
+        return min(limit - claimed, max(self.room, claimed))
+
+    def place(self, tasks: list[ClaimedTaskRow]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
+        """Pure once the rows are read: the Placer sees every connected node (kept between ticks,
+        with the rows changed since the last read folded in) and reserves as it goes."""
+        assert self.placer is not None, "begin() first"
+        snaps = self.dispatcher._snaps
+        placed: list[PlacementDecision] = []
+        unplaced: dict[uuid.UUID, str] = {}
+        for t in tasks:
+            result = self.placer.place(self.dispatcher.requirements_of(t))
+            if isinstance(result, Unplaceable):
+                unplaced[t.id] = result.reason
+            else:
+                placed.append(
+                    PlacementDecision(
+                        t.id, result.node_id, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, result.gpu_indexes,
+                        snaps[result.node_id].capability_snapshot(),
+                    )
+                )
+        self.room -= len(placed)
+        return placed, unplaced
+
+
 class Dispatcher:
     def __init__(self, store: Store, timing: Timing, *, actor: str, policy_name: str = "spread") -> None:
         self.store = store
@@ -107,6 +168,8 @@ class Dispatcher:
         self._snaps: dict[str, NodeSnapshot] = {}
         self._horizon: int | None = None
         self._nodes_read_all_at = float("-inf")
+        self._window_looked_at = float("-inf")  # the last pass that looked at the whole window
+        self._requirements: dict[tuple[Any, ...], Requirements] = {}
 
     async def _pass(self) -> float | None:
         outcome = await self.dispatch_once()
@@ -127,22 +190,47 @@ class Dispatcher:
         with metrics.DISPATCH_SECONDS.time():
             outcome = await self._dispatch(limit)
         metrics.PLACEMENTS.inc(len(outcome.assigned))
+        metrics.DISPATCH_CLAIMED.inc(outcome.claimed)
+        metrics.DISPATCH_REASONS_WRITTEN.inc(outcome.reasons_written)
         outcome.limit = limit
         return outcome
+
+    def requirements_of(self, t: ClaimedTaskRow) -> Requirements:
+        """The claimed row's requirements, decoded once per distinct row content: a queued task is
+        claimed again at every look at the whole window, and decoding its spec was most of the cost."""
+        avoid = tuple(t.avoid or ())
+        key = (t.spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, avoid, t.image_digest)
+        req = self._requirements.get(key)
+        if req is None:
+            if len(self._requirements) >= REQUIREMENTS_KEPT:
+                self._requirements.clear()
+            req = self._requirements[key] = requirements(
+                json.loads(t.spec), t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, list(avoid), t.image_digest
+            )
+        return req
+
+    def plan(self, *, whole_window: bool) -> DispatchPass:
+        return DispatchPass(self, whole_window=whole_window)
 
     async def _dispatch(self, limit: int) -> DispatchOutcome:
         now = asyncio.get_running_loop().time()
         if now - self._nodes_read_all_at > FULL_NODE_READ_EVERY:
             self._horizon = None  # read every node again now and then: cheap insurance
-        return await self.store.dispatch(
+        # Once a tick, the whole window: the bound on how long a queued task goes without its true
+        # reason (a new one says only that it waits for the scheduler; a requeued one, why it was).
+        whole = now - self._window_looked_at >= self.timing.tick
+        outcome = await self.store.dispatch(
             claim_limit=limit,
             accept_seconds=self.timing.provisioning_deadline,
             lease_seconds=self.timing.lease_ttl,
-            decide=self.decide,
+            plan=self.plan(whole_window=whole),
             actor=self.actor,
             nodes_since=self._horizon,
             reconcile_seconds=self.timing.reconcile,
         )
+        if whole and not outcome.lost_races:
+            self._window_looked_at = now
+        return outcome
 
     def _remember_nodes(self, changed: list[NodeRow], horizon: int) -> None:
         """Fold the node rows changed since the last read into the snapshots kept between ticks."""
@@ -155,31 +243,3 @@ class Dispatcher:
             else:
                 self._snaps.pop(row.id, None)
         self._horizon = horizon
-
-    def decide(
-        self, tasks: list[ClaimedTaskRow], changed: list[NodeRow], horizon: int,
-        operations: dict[str, int] | None = None,
-    ) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
-        """Pure once the rows are read: the Placer sees every connected node (kept between ticks,
-        with the rows changed since the last read folded in) and reserves as it goes."""
-        self._remember_nodes(changed, horizon)
-        if operations is not None:
-            self._snaps = with_operations(self._snaps, operations)
-        placer = Placer([self._snaps[k] for k in sorted(self._snaps)], policy=self.policy_name)
-        placed: list[PlacementDecision] = []
-        unplaced: dict[uuid.UUID, str] = {}
-        for t in tasks:
-            req = requirements(
-                t.spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.avoid, t.image_digest
-            )
-            result = placer.place(req)
-            if isinstance(result, Unplaceable):
-                unplaced[t.id] = result.reason
-            else:
-                placed.append(
-                    PlacementDecision(
-                        t.id, result.node_id, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, result.gpu_indexes,
-                        self._snaps[result.node_id].capability_snapshot(),
-                    )
-                )
-        return placed, unplaced

@@ -211,6 +211,7 @@ class DispatchOutcome:
     unplaced: dict[uuid.UUID, str] = field(default_factory=dict)  # task → reason
     lost_races: int = 0  # placements whose node filled up under another scheduler
     limit: int = 0  # how many tasks this batch could claim
+    reasons_written: int = 0  # queued tasks whose waiting reason changed (rows written for it)
     window_full: bool = False  # nothing claimed: too many assignments wait for their nodes already
 
 
@@ -224,13 +225,20 @@ class NodeHello:
     materializations_before: list[dict[str, Any]] = field(default_factory=list)  # the node's, before this Hello
 
 
-# (claimed task rows, node rows changed since the caller's horizon, the new horizon, provisioning
-# operations per node now) → (placements, {task: queued reason})
-Decider = Callable[
-    [list[ClaimedTaskRow], list[NodeRow], int, dict[str, int]],
-    tuple[list[PlacementDecision], dict[uuid.UUID, str]],
-]
+class DispatchPlan(Protocol):
+    """What places one dispatch pass's claims (the dispatcher's side of `Store.dispatch`): told what
+    the nodes are now, it says how many queued tasks to claim, and places each batch it is given in
+    claim order, reserving as it goes."""
 
+    def begin(self, changed: list[NodeRow], horizon: int, operations: dict[str, int]) -> None:
+        """The node rows changed since the caller's horizon, the new horizon, and the provisioning
+        operations per node now."""
+
+    def want(self, claimed: int, limit: int) -> int:
+        """How many more queued tasks to claim now, `claimed` being claimed already (0: stop)."""
+
+    def place(self, tasks: list[ClaimedTaskRow]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
+        """Placements for these claimed tasks, and the queued reason of each one not placed."""
 
 
 class _Conn(Protocol):
@@ -703,21 +711,24 @@ class Store:
         claim_limit: int,
         accept_seconds: float,
         lease_seconds: float,
-        decide: Decider,
+        plan: DispatchPlan,
         actor: str,
         nodes_since: int | None = None,
         reconcile_seconds: float = 30.0,
     ) -> DispatchOutcome:
-        """Claim up to `claim_limit` queued tasks, let `decide` place them, and make the result durable
-        in one transaction: reservations, attempts, fencing tokens, leases, events, reasons, notifies.
+        """Claim up to `claim_limit` queued tasks, as many as `plan` wants, let it place them, and make
+        the result durable in one transaction: reservations, attempts, fencing tokens, leases, events,
+        reasons, notifies.
 
-        `decide` is given the node rows changed by transactions at or after `nodes_since` (every row
-        placement may read, connected or not; all of them when it is None) and the horizon to pass
-        as `nodes_since` next time."""
+        `plan.begin` is given the node rows changed by transactions at or after `nodes_since` (every
+        row placement may read, connected or not; all of them when it is None) and the horizon to
+        pass as `nodes_since` next time. The claim then goes in chunks, in claim order (priority, then
+        age), for as long as `plan.want` asks: a pass that can place only a few tasks locks only a few
+        rows instead of the backlog's whole head."""
         out = DispatchOutcome()
         try:
             return await self._dispatch(
-                out, claim_limit, accept_seconds, lease_seconds, decide, actor, nodes_since, reconcile_seconds
+                out, claim_limit, accept_seconds, lease_seconds, plan, actor, nodes_since, reconcile_seconds
             )
         except asyncpg.UniqueViolationError:
             # another scheduler handed out one of the same GPU indexes first: nothing of this batch
@@ -731,21 +742,32 @@ class Store:
         claim_limit: int,
         accept_seconds: float,
         lease_seconds: float,
-        decide: Decider,
+        plan: DispatchPlan,
         actor: str,
         nodes_since: int | None,
         reconcile_seconds: float,
     ) -> DispatchOutcome:
         async with self._conn() as conn, conn.transaction():
-            tasks = ClaimedTaskRow.many(await conn.fetch(self.q["claim_queued"], claim_limit))
-            out.claimed = len(tasks)
-            if not tasks:
-                return out
             # the horizon first: whatever commits after it is read again next time
             horizon = await conn.fetchval(self.q["snapshot_horizon"])
             nodes = NodeRow.many(await conn.fetch(self.q["placement_nodes_changed"], nodes_since))
             operations = {r["node_id"]: r["n"] for r in await conn.fetch(self.q["operations_in_flight"])}
-            placements, unplaced = decide(tasks, nodes, horizon, operations)
+            plan.begin(nodes, horizon, operations)
+            claimed: list[uuid.UUID] = []
+            placements: list[PlacementDecision] = []
+            unplaced: dict[uuid.UUID, str] = {}
+            want = min(plan.want(0, claim_limit), claim_limit)
+            while want > 0:
+                # rows this transaction locked already are not skipped by SKIP LOCKED: name them
+                tasks = ClaimedTaskRow.many(await conn.fetch(self.q["claim_queued"], want, claimed))
+                claimed.extend(t.id for t in tasks)
+                placed, waiting = plan.place(tasks)
+                placements.extend(placed)
+                unplaced.update(waiting)
+                if len(tasks) < want:
+                    break  # nothing more is queued that this pass may claim
+                want = min(plan.want(len(claimed), claim_limit), claim_limit - len(claimed))
+            out.claimed = len(claimed)
             out.unplaced = unplaced
             if placements:
                 per_node: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
@@ -787,7 +809,8 @@ class Store:
                     assert len(rows) == len(kept), "a claimed task changed state under its row lock"
                     await conn.execute(self.q["notify_nodes"], sorted({r["node_id"] for r in rows}))
             if unplaced:
-                await conn.execute(self.q["set_queued_reasons"], list(unplaced), list(unplaced.values()))
+                status = await conn.execute(self.q["set_queued_reasons"], list(unplaced), list(unplaced.values()))
+                out.reasons_written = int(status.rsplit(" ", 1)[-1])
         return out
 
     # ---- nodes ----------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ class ClaimedTaskRow(Row):
     earlier attempts were lost on)."""
 
     id: uuid.UUID
-    spec: dict[str, Any]
+    spec: str  # the JSON text: the dispatcher decodes a spec it has not seen before only
     cpu_millis: int
     memory_bytes: int
     disk_bytes: int

@@ -149,12 +149,16 @@ ORDER BY n.id FOR NO KEY UPDATE
 -- The dispatch claim. SKIP LOCKED lets several schedulers claim disjoint batches at once. `avoid` is
 -- the nodes earlier attempts were lost on, revoked from or failed on: placement tries others first.
 -- A container task is claimed only once its image is resolved to a digest (the resolver loop): what
--- a node is assigned must already name exactly one image.
-SELECT t.id, t.spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
+-- a node is assigned must already name exactly one image. A pass claims in chunks, in this order;
+-- $2 is what it claimed already (its own locks are not skipped by SKIP LOCKED). The spec comes as
+-- its text: the dispatcher decodes a spec it has not seen before only (the same rows come back at
+-- every look at the whole window).
+SELECT t.id, t.spec::text AS spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
        ARRAY(SELECT DISTINCT a.node_id FROM attempts a
              WHERE a.task_id = t.id AND a.state IN ('revoked', 'lost', 'failed')) AS avoid
 FROM tasks t
 WHERE t.state = 'queued' AND (t.image IS NULL OR t.image_digest IS NOT NULL)
+  AND NOT (t.id = ANY($2::uuid[]))
 ORDER BY t.priority DESC, t.created_at, t.id
 LIMIT $1
 FOR UPDATE OF t SKIP LOCKED
