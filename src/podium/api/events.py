@@ -406,6 +406,8 @@ async def log_stream(store: Store, hub: EventHub, task_id: uuid.UUID, after: int
         quiet_since = clock()
         while not hub.closed:
             try:
+                # the task first, its output second: the gateway stores an attempt's output before
+                # its end, so a task already ended here has all of it stored before the read below
                 task = await store.get_task(task_id)
                 rows = await store.read_logs(task_id, after=position, limit=1000)
             except StoreUnavailable:
@@ -418,19 +420,8 @@ async def log_stream(store: Store, hub: EventHub, task_id: uuid.UUID, after: int
                 quiet_since = clock()
                 continue
             if TaskState(task.state) in TERMINAL:
-                # the gateway stores an attempt's output before its end: one more read closes the gap
-                try:
-                    rows = await store.read_logs(task_id, after=position, limit=1000)
-                except StoreUnavailable:
-                    await asyncio.sleep(1)
-                    continue
-                for r in rows:
-                    position = (r.fencing_token, r.seq, r.stream)
-                    yield render(r)
-                if not rows:
-                    yield end(task)
-                    return
-                continue
+                yield end(task)
+                return
             # keep-alives while waiting do not read: only a wake or the backstop does
             backstop = clock() + wake.backstop
             while not await wake.wait(min(backstop, quiet_since + KEEPALIVE) - clock()) and clock() < backstop:

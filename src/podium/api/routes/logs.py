@@ -82,6 +82,8 @@ async def _follow(store: Store, hub: EventHub, read: _LogRead) -> AsyncIterator[
     with hub.log_follower(read.tid) as wake:
         while not hub.closed:
             try:
+                # the task first, its output second: the gateway stores an attempt's output before
+                # its end, so a task already ended here has all of it stored before the read below
                 task = await store.get_task(read.tid)
                 rows = await read.page(store, 1000)
             except StoreUnavailable:
@@ -92,20 +94,9 @@ async def _follow(store: Store, hub: EventHub, read: _LogRead) -> AsyncIterator[
             if rows:
                 continue
             if TaskState(task.state) in TERMINAL:
-                # the gateway stores an attempt's output before its end; one more read closes the gap
-                # between the two reads above
-                try:
-                    rows = await read.page(store, 1000)
-                except StoreUnavailable:
-                    await asyncio.sleep(1)
-                    continue
-                for r in rows:
-                    yield (json.dumps({"chunk": read.chunk(r).model_dump()}) + "\n").encode()
-                if not rows:
-                    end = {"state": task.state, "exit_code": task.exit_code, "reason": task.reason}
-                    yield (json.dumps({"end": end}) + "\n").encode()
-                    return
-                continue
+                end = {"state": task.state, "exit_code": task.exit_code, "reason": task.reason}
+                yield (json.dumps({"end": end}) + "\n").encode()
+                return
             await wake.wait()
 
 
