@@ -2,7 +2,7 @@
 
 A stream's reader only queues a report here and goes on reading (so its heartbeats never wait behind
 its reports). `ReportBatcher.loop` takes every queued report — round robin over the streams, each
-stream's in arrival order, at most one per task per batch — reads those tasks in one query, lets the
+task's in arrival order, at most one per task per batch — reads those tasks in one query, lets the
 policy decide each, and applies them with one `transition_many` (one commit). Before a batch that
 ends attempts it awaits the log flusher it was given: an attempt's output is stored before its end.
 """
@@ -116,27 +116,10 @@ class ReportBatcher:
                 delay, down_since = 0.05, None
 
     def _take_batch(self) -> list[tuple[Session, Pending]]:
-        """Up to EVENT_BATCH reports, round robin over the streams, each stream's in arrival order,
-        at most one per task (a later report on the same task waits for the next batch)."""
-        batch: list[tuple[Session, Pending]] = []
-        tasks: set[uuid.UUID] = set()
-        active = list(self._event_sessions)
-        served: list[Session] = []
-        while active and len(batch) < EVENT_BATCH:
-            again = []
-            for s in active:
-                if len(batch) >= EVENT_BATCH:
-                    break
-                if not s.events or s.events[0].task_id in tasks:
-                    continue
-                p = s.events.popleft()
-                self._backlog_add(-1)
-                tasks.add(p.task_id)
-                batch.append((s, p))
-                again.append(s)
-            served.extend(again)
-            active = again
-        for s in dict.fromkeys(served):
+        """Up to EVENT_BATCH reports, round robin over the streams (see `take_round_robin`)."""
+        batch, served = take_round_robin(list(self._event_sessions), EVENT_BATCH)
+        self._backlog_add(-len(batch))
+        for s in served:
             self._requeue_session(s)
         return batch
 
@@ -231,6 +214,57 @@ class ReportBatcher:
             accepted(s, p.event.task_id, p.event.fencing_token)
         if p.final:
             s.send(pb.ServerMessage(ack=pb.Ack(task_id=p.event.task_id, fencing_token=p.event.fencing_token)))
+
+
+def take_round_robin(sessions: list[Session], limit: int) -> tuple[list[tuple[Session, Pending]], list[Session]]:
+    """Take up to `limit` reports from the streams' queues for one group commit: a round takes one
+    report from each stream in turn, so no stream waits behind another's backlog.
+
+    At most one report per task goes in a batch (the next waits for the next batch), and a task's
+    reports keep their order. Reports of *other* tasks do not wait behind one that must: a node
+    given fourteen tasks at once reports PROVISIONING, RUNNING, PROVISIONING, RUNNING, … and every
+    PROVISIONING goes in the first batch. Taking a stream's queue strictly in order instead stopped
+    it at its first RUNNING, so its last acceptance waited a batch per task it was given and, on a
+    busy server, past its 15 s accept deadline. Only a task's own order matters: each report is a
+    compare-and-set on its own task.
+
+    Returns the batch and the streams it took from (in the order served); the taken reports are
+    removed from their queues, the rest stay in arrival order."""
+    batch: list[tuple[Session, Pending]] = []
+    tasks: set[uuid.UUID] = set()
+    # per stream: where its scan is, and the tasks whose next report stays behind (not taken)
+    at: dict[Session, int] = {}
+    held: dict[Session, set[uuid.UUID]] = {}
+    taken: dict[Session, list[int]] = {}
+    active = [s for s in sessions if s.events]
+    while active and len(batch) < limit:
+        again = []
+        for s in active:
+            if len(batch) >= limit:
+                break
+            events, i, wait = s.events, at.get(s, 0), held.setdefault(s, set())
+            while i < len(events):
+                p = events[i]
+                i += 1
+                if p.task_id in tasks or p.task_id in wait:
+                    wait.add(p.task_id)  # it stays, and its task's later reports stay behind it
+                    continue
+                tasks.add(p.task_id)
+                batch.append((s, p))
+                taken.setdefault(s, []).append(i - 1)
+                again.append(s)
+                break
+            at[s] = i
+        active = again
+    for s, idx in taken.items():
+        if len(idx) == 1 and idx[0] == 0:
+            s.events.popleft()
+        else:
+            gone = set(idx)
+            kept = [p for j, p in enumerate(s.events) if j not in gone]
+            s.events.clear()
+            s.events.extend(kept)
+    return batch, list(taken)
 
 
 class ReleaseProofs:

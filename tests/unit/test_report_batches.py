@@ -1,0 +1,93 @@
+"""Which node reports go into one group commit (`take_round_robin`): at most one per task, each task's
+in its order, streams served in turn — and a stream's reports of other tasks never wait behind a
+report that must (the overload scenario's late acceptances came from that wait)."""
+
+from __future__ import annotations
+
+import uuid
+
+from podium.gateway.reports import take_round_robin
+from podium.gateway.sessions import Pending, Session
+from podium.proto.podium.v1 import agent_pb2 as pb
+
+K = pb.TaskEvent.Kind
+
+
+def report(task: uuid.UUID, kind: str) -> Pending:
+    ev = pb.TaskEvent(task_id=str(task), fencing_token=1, kind=getattr(K, kind))
+    return Pending(ev, task, kind.lower())
+
+
+def stream(name: str, *reports: Pending) -> Session:
+    s = Session(name, 1)
+    s.events.extend(reports)
+    return s
+
+
+def kinds(batch: list[tuple[Session, Pending]]) -> list[tuple[str, uuid.UUID, str]]:
+    return [(s.node_id, p.task_id, p.kind) for s, p in batch]
+
+
+def test_every_acceptance_of_a_node_given_many_tasks_goes_in_the_first_batch() -> None:
+    tasks = [uuid.uuid4() for _ in range(14)]
+    s = stream("n1", *[r for t in tasks for r in (report(t, "PROVISIONING"), report(t, "RUNNING"))])
+    batch, served = take_round_robin([s], 1000)
+    assert kinds(batch) == [("n1", t, "provisioning") for t in tasks]
+    assert served == [s]
+    # what stays is every RUNNING, in arrival order, for the next batch
+    assert [(p.task_id, p.kind) for p in s.events] == [(t, "running") for t in tasks]
+    batch, _ = take_round_robin([s], 1000)
+    assert kinds(batch) == [("n1", t, "running") for t in tasks]
+    assert not s.events
+
+
+def test_a_tasks_reports_keep_their_order_and_one_goes_per_batch() -> None:
+    a, b = uuid.uuid4(), uuid.uuid4()
+    s = stream("n1", report(a, "PROVISIONING"), report(a, "RUNNING"), report(b, "PROVISIONING"),
+               report(a, "EXITED"), report(b, "RUNNING"))  # fmt: skip
+    rounds = []
+    while s.events:
+        batch, _ = take_round_robin([s], 1000)
+        assert len({p.task_id for _s, p in batch}) == len(batch), "two reports of one task in a batch"
+        rounds.append([(p.task_id, p.kind) for _s, p in batch])
+    assert rounds == [
+        [(a, "provisioning"), (b, "provisioning")],
+        [(a, "running"), (b, "running")],
+        [(a, "exited")],
+    ]
+
+
+def test_a_report_held_back_keeps_its_tasks_later_reports_behind_it() -> None:
+    # the other stream's report of task `a` is in the batch first; this stream's RUNNING of `a` must
+    # wait, and so must its EXITED of `a`, even though nothing else of `a` is in the way
+    a, b = uuid.uuid4(), uuid.uuid4()
+    other = stream("n0", report(a, "NOT_RUNNING"))
+    s = stream("n1", report(a, "RUNNING"), report(b, "PROVISIONING"), report(a, "EXITED"))
+    batch, served = take_round_robin([other, s], 1000)
+    assert kinds(batch) == [("n0", a, "not_running"), ("n1", b, "provisioning")]
+    assert served == [other, s]
+    assert [(p.task_id, p.kind) for p in s.events] == [(a, "running"), (a, "exited")]
+
+
+def test_streams_are_served_in_turn_within_the_limit() -> None:
+    streams = [stream(f"n{i}", *[report(uuid.uuid4(), "PROVISIONING") for _ in range(5)]) for i in range(4)]
+    batch, served = take_round_robin(streams, 6)
+    # one from each stream before a second from any: no stream waits behind another's backlog
+    assert [s.node_id for s, _p in batch] == ["n0", "n1", "n2", "n3", "n0", "n1"]
+    assert served == streams
+    assert [len(s.events) for s in streams] == [3, 3, 4, 4]
+    # the reports left are the ones not taken, in their order
+    for s in streams:
+        assert all(p.kind == "provisioning" for p in s.events)
+
+
+def test_nothing_to_take() -> None:
+    a = uuid.uuid4()
+    empty = stream("n0")
+    assert take_round_robin([empty], 1000) == ([], [])
+    s = stream("n1", report(a, "RUNNING"))
+    other = stream("n2", report(a, "EXITED"))
+    batch, served = take_round_robin([s, other], 1000)
+    assert kinds(batch) == [("n1", a, "running")]
+    assert served == [s]
+    assert [p.kind for p in other.events] == ["exited"]
