@@ -15,6 +15,15 @@ PLACEMENTS = Counter("podium_placements_total", "Tasks assigned to a node by thi
 DISPATCH_SECONDS = Histogram(
     "podium_dispatch_seconds", "One dispatch batch: claim, place, reserve, assign, commit.", buckets=_FAST
 )
+DISPATCH_HELD = Counter(
+    "podium_dispatch_held_total",
+    "Dispatch passes that placed nothing because this server's node reports were too far behind "
+    "(every new Assign's acceptance would queue behind them).",
+)
+NODE_REPORT_LAG = Gauge(
+    "podium_node_report_lag_seconds",
+    "How long the oldest node report of the last group commit had waited when it was committed.",
+)
 DISPATCH_WINDOW_FULL = Counter(
     "podium_dispatch_window_full_total",
     "Dispatch ticks that placed nothing because the fleet had `assign_window` assignments unaccepted.",

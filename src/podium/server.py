@@ -153,6 +153,8 @@ class PodiumServer:
             reports_store=self.reports_store,
         )  # fmt: skip
 
+        scheduler.hold_while_behind(gateway.reports.behind)
+
         grpc_server = grpc.aio.server(options=[("grpc.keepalive_time_ms", 20000), ("grpc.so_reuseport", 0)])
         pb_grpc.add_AgentGatewayServicer_to_server(gateway, grpc_server)
         address = f"{self.cfg.grpc_host}:{self.cfg.grpc_port}"

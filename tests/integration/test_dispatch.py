@@ -114,6 +114,27 @@ async def test_the_dispatcher_stops_at_its_window_of_unaccepted_assignments(stor
     assert {a[0] for a in first.assigned + third.assigned} <= set(ids)
 
 
+async def test_the_dispatcher_holds_while_its_gateway_is_behind_on_node_reports(store: Store) -> None:
+    """An Assign placed while the node reports wait seconds for their group commit would have its
+    acceptance queued behind them, past its deadline on an overloaded server: the dispatcher places
+    nothing (and claims nothing) while its gateway is behind by more than a share of the deadline."""
+    from podium.scheduler.dispatch import HOLD_SHARE
+    from podium.timing import DEFAULT_TIMING
+
+    await add_node(store, "n1", slots=10)
+    tid = await submit(store)
+    sched = scheduler(store)
+    limit = DEFAULT_TIMING.provisioning_deadline * HOLD_SHARE
+    behind = [limit + 0.5]
+    sched.hold_while_behind(lambda: behind[0])
+    held = await sched.dispatch_once()
+    assert held.window_full and held.assigned == [] and held.claimed == 0
+    assert (await store.get_task(tid)).state == "queued"
+    behind[0] = limit - 0.5  # caught up enough
+    out = await sched.dispatch_once()
+    assert [a[0] for a in out.assigned] == [tid]
+
+
 async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_changed(store: Store) -> None:
     """One scheduler across ticks: after the first read it reads only node rows changed since (by
     its own reservations, by freed capacity, by an operator, by a node joining) and places on what

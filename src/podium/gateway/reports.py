@@ -47,6 +47,7 @@ class ReportBatcher:
         self._event_sessions: dict[Session, None] = {}
         self._events_ready = asyncio.Event()
         self.backlog = 0  # node reports received and not yet applied (admission reads it)
+        self._lag = 0.0  # age of the oldest report in the last batch, when it was committed
 
     def drop(self, s: Session) -> None:
         """A stream ended: what it reported and was not applied yet goes with it (a reconnecting node
@@ -54,6 +55,13 @@ class ReportBatcher:
         self._backlog_add(-len(s.events))
         s.events.clear()
         self._event_sessions.pop(s, None)
+
+    def behind(self) -> float:
+        """Seconds the group commits are behind: how long the oldest report of the last batch had
+        waited when it was committed, 0 while nothing waits. The dispatcher holds new placements
+        while this is a large share of the accept deadline: every Assign it adds now would have its
+        acceptance queued behind these (`Dispatcher.held`)."""
+        return self._lag if self.backlog > 0 else 0.0
 
     def _backlog_add(self, n: int) -> None:
         self.backlog += n
@@ -71,7 +79,7 @@ class ReportBatcher:
         while len(s.events) >= SESSION_BACKLOG:
             s.room.clear()
             await s.room.wait()
-        s.events.append(Pending(ev, task_id, _KIND.get(ev.kind, "")))
+        s.events.append(Pending(ev, task_id, _KIND.get(ev.kind, ""), received=asyncio.get_running_loop().time()))
         self._backlog_add(1)
         self._event_sessions.setdefault(s, None)
         self._events_ready.set()
@@ -90,6 +98,8 @@ class ReportBatcher:
                 try:
                     with metrics.NODE_REPORT_BATCH_SECONDS.time():
                         await self._apply_batch(batch)
+                    self._lag = loop.time() - min(p.received for _s, p in batch)
+                    metrics.NODE_REPORT_LAG.set(self._lag)
                 except StoreUnavailable as e:
                     self._put_back(batch)
                     now = loop.time()

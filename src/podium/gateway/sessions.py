@@ -36,6 +36,7 @@ class Pending:
     task_id: uuid.UUID
     kind: str
     tries: int = 0
+    received: float = 0.0  # loop time the gateway read it (how far behind the group commits are)
 
     @property
     def final(self) -> bool:

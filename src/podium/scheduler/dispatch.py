@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from podium import metrics
@@ -40,6 +41,12 @@ WINDOW_POLL = 0.02  # seconds between looks at a full assignment window
 # so a changed spec is simply another key); dropped all at once past this many.
 REQUIREMENTS_KEPT = 8192
 FULL_NODE_READ_EVERY = 60.0  # seconds between reads of every node row (in between: changed rows only)
+# New placements wait while this server's node reports are behind by more than this share of the
+# accept deadline. The assignment window bounds how many Assigns wait for their acceptance, not how
+# long: on an overloaded server a full window of them queued behind thousands of reports, and some
+# acceptances were recorded after their deadline — their tasks placed again for nothing. Holding
+# placements while the reports catch up costs no throughput (the acceptances are the bottleneck then).
+HOLD_SHARE = 0.2
 
 
 def node_snapshot(row: NodeRow) -> NodeSnapshot:
@@ -157,11 +164,16 @@ class DispatchPass:
 
 
 class Dispatcher:
-    def __init__(self, store: Store, timing: Timing, *, actor: str, policy_name: str = "spread") -> None:
+    def __init__(
+        self, store: Store, timing: Timing, *, actor: str, policy_name: str = "spread",
+        reports_behind: Callable[[], float] = lambda: 0.0,
+    ) -> None:  # fmt: skip
         self.store = store
         self.timing = timing
         self.actor = actor
         self.policy_name = policy_name
+        # how many seconds this server's group commits of node reports are behind (its gateway says)
+        self.reports_behind = reports_behind
         self.loop = WokenLoop("dispatch", store, "podium_dispatch", timing.tick, self._pass)
         # What placement knows of the connected nodes between ticks, and the snapshot horizon of the
         # read that brought it up to date (None: read them all next time).
@@ -182,6 +194,9 @@ class Dispatcher:
         return None
 
     async def dispatch_once(self) -> DispatchOutcome:
+        if self.reports_behind() > self.timing.provisioning_deadline * HOLD_SHARE:
+            metrics.DISPATCH_HELD.inc()
+            return DispatchOutcome(window_full=True)  # looked at again soon, like a full window
         in_flight = await self.store.assigned_in_flight(self.timing.assign_window)
         limit = min(self.timing.claim_limit, self.timing.assign_window - in_flight)
         if limit <= 0:

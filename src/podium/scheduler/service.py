@@ -40,6 +40,12 @@ class Scheduler:
         self.dispatcher = Dispatcher(store, timing, actor=self.actor, policy_name=policy_name)
         self.watchdog = Watchdog(store, timing, self.applier, retention=retention)
 
+    def hold_while_behind(self, reports_behind: Callable[[], float]) -> None:
+        """Hold new placements while this server's gateway is behind on recording node reports by
+        more than a share of the accept deadline (`dispatch.HOLD_SHARE`); `reports_behind` says by
+        how many seconds. Given once the gateway exists (it is built after the scheduler)."""
+        self.dispatcher.reports_behind = reports_behind
+
     # ---- running ----------------------------------------------------------------------------------
 
     def tasks(self) -> dict[str, Callable[[], Awaitable[None]]]:
