@@ -44,12 +44,14 @@ import grpc
 
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
+from podium.protocol import take_batch
 
 K = pb.TaskEvent.Kind
 FINAL = (K.EXITED, K.FAILED_RETRYABLE, K.NOT_RUNNING)
 BACKOFF_MIN = 0.2
 BACKOFF_MAX = 10.0
 WELCOME_TIMEOUT = 120.0
+LAG_SAMPLE = 0.1  # seconds between looks at the fleet's own event-loop lag
 AGENT_VERSION = "bench-fleet"
 
 
@@ -112,6 +114,7 @@ class Fleet:
         self.beat_ack_latency: list[float] = []  # heartbeat sent → its HeartbeatAck, seconds
         self.first_welcome_at: float | None = None
         self.all_connected_at: float | None = None
+        self.loop_lag: list[float] = []  # how late the fleet's own loop woke, seconds (a sample per 0.1 s)
         self.started_at = time.monotonic()
         self.connected = 0
         self.max_connected = 0
@@ -138,6 +141,7 @@ class Fleet:
             capacity=pb.Resources(cpu_millis=a.cpu_millis, memory_bytes=a.memory_bytes, slots=a.slots),
             backends=["process"], pool="default", arch="x86_64", protocol_min=1, protocol_max=1,
             agent_version=AGENT_VERSION, max_operations=a.slots,  # a simulated node prepares nothing
+            batches=True,  # as a real agent: what is queued at a write goes in one AgentBatch
             tasks=[pb.RunningTask(task_id=t.task_id, fencing_token=t.token, phase=t.phase) for t in n.attempts.values()],
         ))  # fmt: skip
 
@@ -173,13 +177,27 @@ class Fleet:
         outq: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
         hello = self._hello(n)
 
+        batches = [False]  # whether this server's Welcome said it reads AgentBatch
+
         async def requests():
             yield hello
-            while True:
-                m = await outq.get()
-                if m is None:
-                    return
-                yield m
+            carry: pb.AgentMessage | None = None
+            try:
+                while True:
+                    m, carry = (carry, None) if carry is not None else (await outq.get(), None)
+                    if m is None:
+                        return
+                    if not batches[0]:
+                        yield m
+                        continue
+                    # as a real agent writes: everything queued at this moment in one write
+                    batch, carry, ended = take_batch(outq, m, pb.AgentMessage.ByteSize)
+                    yield batch[0] if len(batch) == 1 else pb.AgentMessage(batch=pb.AgentBatch(messages=batch))
+                    if ended:
+                        return
+            finally:
+                if carry is not None:  # taken but not written: it goes first on the next stream
+                    n.buffer.insert(0, carry)
 
         stub = self.stubs[n.idx // self.args.streams_per_channel]
         # at most --connect-concurrency Hellos wait for their Welcome at once
@@ -204,6 +222,7 @@ class Fleet:
             if getattr(w, "node_credential", ""):
                 n.credential = w.node_credential  # enrolled: from now on the node proves itself
             n.heartbeat_seconds = w.heartbeat_seconds or n.heartbeat_seconds
+            batches[0] = w.batches
             n.fence_after = getattr(w, "fence_after_seconds", 0.0) or 0.0
             if n.fence_after:
                 n.fence_until = hello_sent + n.fence_after  # the Hello counts as a heartbeat
@@ -264,7 +283,10 @@ class Fleet:
 
     def _on_message(self, n: Node, msg: pb.ServerMessage) -> None:
         kind = msg.WhichOneof("kind")
-        if kind == "assign":
+        if kind == "batch":
+            for m in msg.batch.messages:
+                self._on_message(n, m)
+        elif kind == "assign":
             t = time.monotonic()
             self._on_assign(n, msg.assign, t)
         elif kind == "cancel":
@@ -361,10 +383,21 @@ class Fleet:
             "sessions": Counter(n.sessions for n in self.nodes).most_common(),
             "hello_latency": self.hello_latency,
             "heartbeat_ack_latency": self.beat_ack_latency,
+            "loop_lag": self.loop_lag,
         }
         tmp = Path(self.args.out).with_suffix(".tmp")
         tmp.write_text(json.dumps(out))
         os.replace(tmp, self.args.out)
+
+    async def watch_lag(self) -> None:
+        """How late this process's own loop wakes: a latency the fleet measures that is its own CPU
+        starvation, not the server's, shows here (a simulated node answers an Assign at once, so a
+        late answer with a lag this size is the fleet's)."""
+        while not self.exit.is_set():
+            t = time.monotonic()
+            await asyncio.sleep(LAG_SAMPLE)
+            if len(self.loop_lag) < 100_000:
+                self.loop_lag.append(time.monotonic() - t - LAG_SAMPLE)
 
     async def report(self) -> None:
         while not self.exit.is_set():
@@ -392,7 +425,7 @@ class Fleet:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.exit.set)
         runners = [loop.create_task(self.run_node(n)) for n in self.nodes]
-        side = [loop.create_task(self.report()), loop.create_task(self.commands())]
+        side = [loop.create_task(self.report()), loop.create_task(self.commands()), loop.create_task(self.watch_lag())]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.exit.wait(), self.args.max_seconds)
         if not self.stopping.is_set():

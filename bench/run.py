@@ -835,6 +835,7 @@ async def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "status": records["status"], "errors": records["errors"], "sessions": records["sessions"],
             "hello_to_welcome_ms": percentiles(sorted(records.get("hello_latency", [])), scale=1000.0),
             "heartbeat_to_ack_ms": percentiles(sorted(records.get("heartbeat_ack_latency", [])), scale=1000.0),
+            "own_loop_lag_ms": percentiles(sorted(records.get("loop_lag", [])), scale=1000.0),
         }  # fmt: skip
     result["samples"] = b.samples
     result["notes"] = b.notes
@@ -1041,6 +1042,9 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"fleet: Hello→Welcome p50/p99 {fmt(h.get('p50'))}/{fmt(h.get('p99'))} ms; heartbeat→HeartbeatAck "
                      f"p50/p99/max {fmt(k.get('p50'))}/{fmt(k.get('p99'))}/{fmt(k.get('max'))} ms over {k.get('n')} acks; "
                      f"counts {fl['status'].get('counts')}")  # fmt: skip
+        g = fl.get("own_loop_lag_ms", {})
+        lines.append(f"fleet's own event-loop lag p50/p99/max {fmt(g.get('p50'))}/{fmt(g.get('p99'))}/{fmt(g.get('max'))} ms "
+                     "(a late answer this size is the fleet's CPU, not the server's)")  # fmt: skip
     if res.get("server_metrics") and "error" not in res["server_metrics"]:
         lines.append(metrics_line(res["server_metrics"]))
     lines.append(f"server peak RSS {fmt(res.get('peak_rss_mib', {}).get('server'))} MiB, fleet peak RSS "
