@@ -6,14 +6,14 @@
 -- and one NOTIFY. ON CONFLICT on the idempotency key makes a retried submit return no row for it;
 -- the caller then reads the task the first submit created.
 WITH d AS (
-    SELECT * FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::int[], $5::bigint[], $6::bigint[], $7::bigint[],
+    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int[], $5::bigint[], $6::bigint[], $7::bigint[],
                          $8::int[], $9::float8[], $10::int[], $11::bool[], $12::text[], $15::text[], $16::int[])
         AS d(id, name, spec, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, spec_name, spec_revision)
 ), t AS (
     INSERT INTO tasks (id, name, spec, state, reason, priority, cpu_millis, memory_bytes, disk_bytes, gpus,
                        timeout_seconds, max_attempts, requeue_on_node_loss, idempotency_key, submitted_by,
                        spec_name, spec_revision)
-    SELECT id, name, spec, 'queued', $13, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, $14,
+    SELECT id, name, spec::jsonb, 'queued', $13, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, $14,
            spec_name, spec_revision
     FROM d
     ON CONFLICT (idempotency_key) DO NOTHING
