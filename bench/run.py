@@ -265,7 +265,7 @@ class ServerProc:
 
 class FleetProc:
     def __init__(self, tmp: Path, server: str, nodes: int, duration_ms: float, max_seconds: float,
-                 join_token: str | None = None) -> None:  # fmt: skip
+                 join_token: str | None = None, streams_per_channel: int = 200) -> None:  # fmt: skip
         self.env = dict(os.environ)
         if join_token:
             self.env["PODIUM_JOIN_TOKEN"] = join_token
@@ -273,7 +273,7 @@ class FleetProc:
         self.err_path = tmp / "fleet.log"
         self.args = [PY, str(BENCH / "fleet.py"), "--server", server, "--nodes", str(nodes), "--out", str(self.out),
                      "--duration-ms", str(duration_ms), "--status-interval", "0.25",
-                     "--max-seconds", str(max_seconds)]  # fmt: skip
+                     "--max-seconds", str(max_seconds), "--streams-per-channel", str(streams_per_channel)]  # fmt: skip
         self.status: dict[str, Any] = {}
         self.dumped = asyncio.Event()
         self.p: asyncio.subprocess.Process | None = None
@@ -585,7 +585,7 @@ class Bench:
 
     async def connect_fleet(self, nodes: int, duration_ms: float) -> None:
         self.fleet = FleetProc(self.tmp, self.server.grpc, nodes, duration_ms, max_seconds=self.args.max_fleet_seconds,
-                               join_token=self.server.join_token)  # fmt: skip
+                               join_token=self.server.join_token, streams_per_channel=self.args.streams_per_channel)  # fmt: skip
         t0 = time.monotonic()
         a = await self.snap()
         await self.fleet.start()
@@ -1072,6 +1072,8 @@ def main() -> None:
     p.add_argument("--fast-timers", action="store_true", help="start the server with PODIUM_TEST_FAST_TIMERS=1")
     p.add_argument("--connect-timeout", type=float, default=None, help="seconds to wait for the fleet to connect")
     p.add_argument("--max-fleet-seconds", type=float, default=900.0)
+    p.add_argument("--streams-per-channel", type=int, default=200,
+                   help="simulated nodes sharing one gRPC connection (a real agent has one of its own)")
     p.add_argument("--profile", type=float, default=None, metavar="SECONDS",
                    help="py-spy record the server for this long from the start of the load; its top functions go in the results")
     p.add_argument("--profile-dir", type=Path, default=Path(tempfile.gettempdir()) / "podium-bench-profiles",
