@@ -323,8 +323,10 @@ def _jsonb_encode(value: Any) -> str:
 
 def _jsonb_decode(text: str) -> Any:
     # orjson: the store decodes a spec per task row it reads, and the standard library's decoder was
-    # the largest single cost of a submission (profiled). It refuses what jsonb can hold and JSON
-    # allows but it does not (integers past 64 bits); those few go to the standard library.
+    # the largest single cost of a submission (profiled). What it refuses (a lone surrogate escape,
+    # a number past a double) goes to the standard library. It would read an integer past 64 bits
+    # as a float; none is stored: every integer of a spec is bounded by its model, and the rest of
+    # the jsonb columns hold what the server writes.
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError:
