@@ -13,7 +13,8 @@ from podium.store import Store
 from podium.store import rows as R
 
 # query → (its row type, the columns it returns that the row leaves out, and why)
-NODE_INTERNALS = {"credential_hash", "changed_xid"}  # never shown: the credential's hash, the change horizon
+# never shown: the credential's hash, the change horizon, the agent instance that may enrol it again
+NODE_INTERNALS = {"credential_hash", "changed_xid", "enrolled_by_instance"}
 QUERIES: dict[str, tuple[type[R.Row], set[str]]] = {
     "insert_tasks": (R.TaskRow, {"notified"}),  # how many NOTIFYs the insert sent
     "tasks_by_idempotency_keys": (R.TaskRow, set()),

@@ -115,7 +115,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
             return
         try:
-            issued = await self.security.admit_node(hello.node_id, hello.credential)
+            issued = await self.security.admit_node(hello.node_id, hello.credential, hello.instance_id)
         except Forbidden as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
             return

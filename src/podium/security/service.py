@@ -103,18 +103,26 @@ class Security:
 
     # ---- nodes ------------------------------------------------------------------------------
 
-    async def admit_node(self, node_id: str, credential: str) -> str | None:
+    async def admit_node(self, node_id: str, credential: str, instance_id: str = "") -> str | None:
         """Check a node's Hello credential. Returns a new node credential when a join token enrolled
-        the node now (the agent keeps it), None when the node proved it is itself; raises otherwise."""
+        the node now (the agent keeps it), None when the node proved it is itself; raises otherwise.
+
+        A join token never takes an enrolled node over, with one exception: the agent instance that
+        enrolled it and has never presented the credential since — the stream broke before the
+        Welcome that carried it, so it cannot have it — may enrol it again."""
         row = await self.store.node_credential(node_id)
         if row is not None and row.revoked_at is not None:
             raise Forbidden("this node was removed from the fleet")
         if row is not None and row.credential_hash is not None:
             if tokens.node_credential_matches(credential, row.credential_hash):
+                if row.enrolled_by_instance is not None:
+                    await self.store.confirm_node_credential(node_id)
                 return None
-            raise Unauthorized(
-                "this node id is enrolled and its credential does not match (a join token cannot take over an enrolled node)"
-            )
+            again = instance_id and row.enrolled_by_instance == instance_id and tokens.parse(credential) is not None
+            if not again:
+                raise Unauthorized(
+                    "this node id is enrolled and its credential does not match (a join token cannot take over an enrolled node)"
+                )
         parsed = tokens.parse(credential)
         if parsed is None:
             raise Unauthorized("a new node must present a join token (PODIUM_JOIN_TOKEN)")
@@ -123,7 +131,7 @@ class Security:
                 or not tokens.matches(parsed[1], trow.secret_hash)):
             raise Unauthorized("the join token is not valid")
         credential_out, digest = tokens.new_node_credential()
-        if not await self.store.enrol_node(node_id, digest):
+        if not await self.store.enrol_node(node_id, digest, instance_id):
             raise Unauthorized("this node id was enrolled by another agent just now")
         return credential_out
 

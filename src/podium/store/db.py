@@ -1192,9 +1192,16 @@ class Store:
             row = await conn.fetchrow(self.q["node_credential"], node_id)
         return None if row is None else NodeCredentialRow.of(row)
 
-    async def enrol_node(self, node_id: str, credential_hash: bytes) -> bool:
+    async def enrol_node(self, node_id: str, credential_hash: bytes, instance_id: str = "") -> bool:
+        """Enrol a node (its credential's hash): only one not enrolled yet, or one the same agent
+        instance enrolled and has not presented its credential since."""
         async with self._conn() as conn:
-            return await conn.fetchrow(self.q["set_node_credential"], node_id, credential_hash) is not None
+            return await conn.fetchrow(self.q["set_node_credential"], node_id, credential_hash, instance_id) is not None
+
+    async def confirm_node_credential(self, node_id: str) -> None:
+        """The node presented its credential: no join token may enrol it again."""
+        async with self._conn() as conn:
+            await conn.execute(self.q["confirm_node_credential"], node_id)
 
     @_retried
     async def revoke_node(self, node_id: str) -> None:

@@ -412,6 +412,7 @@ class NodeCredentialRow(Row):
     id: str
     credential_hash: bytes | None = field(repr=False)
     revoked_at: datetime | None
+    enrolled_by_instance: str | None  # set until the enrolling agent instance presents its credential
 
 
 # ---- specs, tokens, secrets, audit, UI sessions ---------------------------------------------------

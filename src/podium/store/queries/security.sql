@@ -45,14 +45,21 @@ SELECT id, name, role, created_at, created_by, revoked_at FROM api_tokens
 WHERE starts_with(id, $1) AND revoked_at IS NULL ORDER BY id LIMIT $2
 
 -- node_credential --
-SELECT id, credential_hash, revoked_at FROM nodes WHERE id = $1
+SELECT id, credential_hash, revoked_at, enrolled_by_instance FROM nodes WHERE id = $1
 
 -- set_node_credential --
--- Only for a node that has none yet: a join token can enrol a node, never take one over.
-INSERT INTO nodes (id, name, credential_hash) VALUES ($1, $1, $2)
-ON CONFLICT (id) DO UPDATE SET credential_hash = EXCLUDED.credential_hash
-WHERE nodes.credential_hash IS NULL AND nodes.revoked_at IS NULL
+-- Only for a node that has none yet: a join token can enrol a node, never take one over — save for
+-- the agent instance ($3) that enrolled it and has not presented its credential since (it never got
+-- the Welcome that carried it), which may enrol it again.
+INSERT INTO nodes (id, name, credential_hash, enrolled_by_instance) VALUES ($1, $1, $2, NULLIF($3, ''))
+ON CONFLICT (id) DO UPDATE SET credential_hash = EXCLUDED.credential_hash, enrolled_by_instance = EXCLUDED.enrolled_by_instance
+WHERE nodes.revoked_at IS NULL
+  AND (nodes.credential_hash IS NULL OR (NULLIF($3, '') IS NOT NULL AND nodes.enrolled_by_instance = $3))
 RETURNING id
+
+-- confirm_node_credential --
+-- The node presented its credential: it has it, and nothing may enrol it again.
+UPDATE nodes SET enrolled_by_instance = NULL WHERE id = $1 AND enrolled_by_instance IS NOT NULL
 
 -- revoke_node --
 UPDATE nodes SET revoked_at = now(), connected = false, gateway_id = NULL, health = 'offline', updated_at = now()
