@@ -60,7 +60,7 @@ class ReportBatcher:
         """Seconds the group commits are behind: how long the oldest report of the last batch had
         waited when it was committed, 0 while nothing waits. The dispatcher holds new placements
         while this is a large share of the accept deadline: every Assign it adds now would have its
-        acceptance queued behind these (`Dispatcher.held`)."""
+        acceptance queued behind these (`scheduler.dispatch.HOLD_SHARE`)."""
         return self._lag if self.backlog > 0 else 0.0
 
     def _backlog_add(self, n: int) -> None:
