@@ -160,6 +160,51 @@ def dispatch_counters(url: str, token: str) -> dict[str, float]:
     return {k: float(values[m]) for k, m in DISPATCH_COUNTERS.items() if m in values}
 
 
+STAGES_SQL = """
+WITH a AS (
+    SELECT t.created_at AS submitted, a.node_id, a.assigned_at, a.delivered_at, a.provisioning_at, a.started_at,
+           a.finished_at,
+           (SELECT min(b.assigned_at) FROM attempts b
+            WHERE b.node_id = a.node_id AND b.assigned_at >= a.finished_at) AS next_assigned
+    FROM attempts a JOIN tasks t ON t.id = a.task_id
+    WHERE t.created_at >= $1
+)
+SELECT stage, percentile_cont(0.5) WITHIN GROUP (ORDER BY ms) AS p50,
+       percentile_cont(0.9) WITHIN GROUP (ORDER BY ms) AS p90
+FROM a, LATERAL (VALUES
+    (1, 'submitted → assigned', extract(epoch FROM assigned_at - submitted) * 1000),
+    (2, 'assigned → delivered (outbox take)', extract(epoch FROM delivered_at - assigned_at) * 1000),
+    (3, 'delivered → provisioning recorded', extract(epoch FROM provisioning_at - delivered_at) * 1000),
+    (4, 'provisioning → running recorded', extract(epoch FROM started_at - provisioning_at) * 1000),
+    (5, 'running → end recorded', extract(epoch FROM finished_at - started_at) * 1000),
+    (6, 'end recorded → the node''s next assignment', extract(epoch FROM next_assigned - finished_at) * 1000)
+) v(n, stage, ms)
+WHERE ms IS NOT NULL
+GROUP BY n, stage ORDER BY n
+"""
+
+
+def stages(data: Path, since: float) -> dict[str, dict[str, float]]:
+    """Where an attempt's time went, from the run's own database: each stage's p50/p90 in ms, by the
+    statement times PostgreSQL recorded (a transaction's start, `now()`) for the tasks submitted
+    after `since` (a Unix time). The last stage is how long a node waited, after an end was recorded,
+    for its next assignment (a backlog keeps it short)."""
+    import asyncio
+    from datetime import UTC, datetime
+
+    import asyncpg
+
+    async def read() -> dict[str, dict[str, float]]:
+        conn = await asyncpg.connect(host=str(data / "pg"), user="postgres", database="podium")
+        try:
+            rows = await conn.fetch(STAGES_SQL, datetime.fromtimestamp(since, UTC))
+        finally:
+            await conn.close()
+        return {r["stage"]: {"p50": round(r["p50"], 1), "p90": round(r["p90"], 1)} for r in rows}
+
+    return asyncio.run(read())
+
+
 def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -174,6 +219,8 @@ def main() -> None:
     ap.add_argument("--podium", default=None, help="the podium executable to run (default: this checkout's)")
     ap.add_argument("--label", default="", help="a name for this build in the output")
     ap.add_argument("--json", action="store_true", help="one JSON line per mode")
+    ap.add_argument("--stages", action="store_true", help="also where the burst's attempts spent their time, "
+                    "stage by stage, read from the run's database")
     a = ap.parse_args()
     podium = [a.podium] if a.podium else [sys.executable, "-m", "podium"]
     run = Run(podium, a.agents, a.slots)
@@ -183,7 +230,7 @@ def main() -> None:
         b.warm_up(10 * a.agents)
         if a.tasks:
             counted = dispatch_counters(b.addr, b.token)
-            load0, before = load(), cpu_ticks(str(run.tmp))
+            load0, before, since = load(), cpu_ticks(str(run.tmp)), time.time()
             r = b.burst(a.tasks, a.batch)
             after = cpu_ticks(str(run.tmp))
             r["dispatch"] = {k: int(v - counted[k]) for k, v in dispatch_counters(b.addr, b.token).items()}
@@ -192,6 +239,8 @@ def main() -> None:
                                     for k in sorted(after)}  # fmt: skip
             r["cpu_ms_per_task"]["total"] = round(sum(r["cpu_ms_per_task"].values()), 2)
             r["load"] = [load0, load()]
+            if a.stages:
+                r["stages_ms"] = stages(run.tmp / "data", since)
             out.append(r)
         if a.serial:
             load0 = load()
@@ -223,6 +272,8 @@ def summary(r: dict) -> str:  # type: ignore[type-arg]
         lines.append("  dispatcher over the burst: " + ", ".join(f"{k} {v}" for k, v in r["dispatch"].items()))
     if "cpu_ms_per_task" in r:
         lines.append("  CPU ms per task: " + ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_task"].items()))
+    for stage, v in r.get("stages_ms", {}).items():
+        lines.append(f"    {stage}: p50 {v['p50']} / p90 {v['p90']} ms")
     return "\n".join(lines)
 
 
