@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import uuid
@@ -23,7 +24,7 @@ from podium.security.secretbox import SecretBox
 from podium.security.service import Security
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, place, submit
+from tests.integration.helpers import add_node, place, scheduler, submit
 
 
 async def _eventually(cond: Any, timeout: float = 30.0, what: str = "condition") -> Any:
@@ -215,3 +216,84 @@ async def test_a_store_outage_while_reading_secrets_retries_and_neither_fails_no
         await store.close()
         with contextlib.suppress(Exception):
             await proxy.cut()
+
+
+# --- Assigns pushed by the dispatch that placed them ------------------------------------------------------
+
+
+async def _attempt_times(store: Store, tid: uuid.UUID) -> Any:
+    async with store.pool.acquire() as c:
+        return await c.fetchrow("SELECT assigned_at, delivered_at FROM attempts WHERE task_id = $1", tid)
+
+
+@contextlib.asynccontextmanager
+async def dispatching_here(store: Store) -> AsyncIterator[tuple[Gateway, Any]]:
+    """A gateway and a scheduler wired as the server wires them: Assigns for the nodes whose streams
+    the gateway holds are handed from the dispatch to the outbox. No sweep and no `due`: an Assign
+    sent here came from the push, never from an outbox take."""
+    sec = Security(store, SecretBox(os.urandom(32)))
+    gw = Gateway(store, Applier(store, actor="gateway:test"), DEFAULT_TIMING, server_id="test", security=sec)
+    sched = scheduler(store)
+    sched.deliver_through(gw.sessions.keys, gw.outbox.push)
+    yield gw, sched
+
+
+async def _delivering(gw: Gateway) -> AsyncIterator[None]:
+    loop = asyncio.create_task(gw.outbox.deliver_loop())
+    try:
+        yield
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+
+
+async def test_a_placement_on_a_node_held_here_is_delivered_by_its_own_transaction_and_pushed_without_a_take(
+    store: Store,
+) -> None:
+    await add_node(store, "n1", labels={"at": "n1"})
+    await add_node(store, "n2", labels={"at": "n2"})
+    async with dispatching_here(store) as (gw, sched):
+        s = Session("n1", 1)
+        gw.sessions["n1"] = s  # n2's stream is held by another replica (or none)
+        here = await submit(store, command=["echo", "here"], labels={"at": "n1"})
+        away = await submit(store, command=["echo", "away"], labels={"at": "n2"})
+        nudges = await store.listen("podium_node")
+        try:
+            out = await sched.dispatch_once()
+            assert sorted((str(t), n) for t, n, _tok in out.assigned) == sorted([(str(here), "n1"), (str(away), "n2")])
+            # marked delivered in the placement's transaction (now() is the transaction's start)
+            t_here = await _attempt_times(store, here)
+            assert t_here["delivered_at"] == t_here["assigned_at"]
+            # the node held elsewhere goes the old way: undelivered, its holder woken
+            assert (await _attempt_times(store, away))["delivered_at"] is None
+            assert (await asyncio.wait_for(nudges.get(), 10)).payload == "n2"
+            async for _ in _delivering(gw):
+                got = await _eventually(lambda: _sent_async(s, "assign"), what="the pushed Assign")
+        finally:
+            await nudges.close()
+    assert [(a.task_id, a.attempt, json.loads(a.spec_json)["command"]) for a in got] == [(str(here), 1, ["echo", "here"])]
+    assert [r.task_id for r in await store.take_outbox(["n1"])] == []  # nothing left for a take to send twice
+
+
+async def test_an_assign_whose_stream_ended_before_its_push_is_handed_back_to_whoever_holds_the_node(store: Store) -> None:
+    await add_node(store, "n1")
+    async with dispatching_here(store) as (gw, sched):
+        s = Session("n1", 1)
+        gw.sessions["n1"] = s
+        tid = await submit(store)
+        nudges = await store.listen("podium_node")
+        try:
+            out = await sched.dispatch_once()
+            assert [t for t, _n, _tok in out.assigned] == [tid]
+            assert (await _attempt_times(store, tid))["delivered_at"] is not None
+            del gw.sessions["n1"]  # the stream ended between the commit and the push
+            async for _ in _delivering(gw):
+                assert (await asyncio.wait_for(nudges.get(), 10)).payload == "n1"
+        finally:
+            await nudges.close()
+    assert sent(s, "assign") == []
+    assert (await _attempt_times(store, tid))["delivered_at"] is None
+    # the replica that holds the node now takes it from the outbox, as any Assign placed elsewhere
+    assert [(r.kind, r.task_id) for r in await store.take_outbox(["n1"])] == [("assign", tid)]
+    assert (await store.get_task(tid)).state == "assigned"

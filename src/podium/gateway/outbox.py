@@ -47,6 +47,7 @@ class Outbox:
         self._node_sub: Subscription | None = None
         self._revoked_sub: Subscription | None = None  # also hears podium_superseded
         self._due: set[str] = set()  # nodes to take the outbox of at the next take
+        self._pushed: list[OutboxRow] = []  # Assigns this server's dispatch marked delivered: to send
         self._wake = asyncio.Event()
 
     async def loop(self) -> None:
@@ -72,6 +73,12 @@ class Outbox:
         for sub in (self._node_sub, self._revoked_sub):
             if sub is not None:
                 await sub.close()
+
+    def push(self, rows: list[OutboxRow]) -> None:
+        """Assigns this server's dispatcher placed on nodes whose streams it holds, marked delivered in
+        the placement's own transaction: sent by the next delivery, with no take."""
+        self._pushed.extend(rows)
+        self._wake.set()
 
     def due(self, node_id: str) -> None:
         """Take this node's outbox at the next take (if this replica holds its stream)."""
@@ -99,14 +106,25 @@ class Outbox:
             self._wake.clear()
             due, self._due = self._due, set()
             live = sorted(n for n in due if n in self.sessions)
-            rows: list[OutboxRow] = []
+            pushed, self._pushed = self._pushed, []
+            # a stream that ended since its Assigns were placed: whoever holds the node now takes them
+            orphans = [r.fencing_token for r in pushed if r.node_id not in self.sessions]
+            if orphans:
+                try:
+                    await self.take_store.give_back_assigns(orphans)
+                except StoreUnavailable as e:
+                    # marked delivered but never sent: the node's next Hello redelivers them, or
+                    # their accept deadline gives them to another node
+                    log.warning("%d Assigns whose stream ended could not be handed back: %s", len(orphans), e)
+            rows = [r for r in pushed if r.node_id in self.sessions]
             if live:
                 try:
                     with metrics.OUTBOX_TAKE_SECONDS.time():
-                        rows = await self.take_store.take_outbox(live)
+                        rows += await self.take_store.take_outbox(live)
                 except StoreUnavailable as e:
                     log.warning("outbox for %d nodes: %s", len(live), e)
                     self._due.update(live)
+                    self._pushed[:0] = rows  # sent after the take that failed, in their order
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
                     self._wake.set()

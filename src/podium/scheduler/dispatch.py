@@ -23,7 +23,7 @@ import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from podium import metrics
@@ -31,7 +31,7 @@ from podium.placement import NodeSnapshot, Placer, Requirements, Resources, Unpl
 from podium.scheduler.woken import WokenLoop
 from podium.store import Store
 from podium.store.db import DispatchOutcome, PlacementDecision
-from podium.store.rows import ClaimedTaskRow, NodeRow
+from podium.store.rows import ClaimedTaskRow, NodeRow, OutboxRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -171,6 +171,10 @@ class DispatchPass:
         return placed, unplaced
 
 
+def _nowhere(rows: list[OutboxRow]) -> None:
+    raise AssertionError("Assigns marked delivered with no outbox to push them: streams_here needs push")
+
+
 class Dispatcher:
     def __init__(
         self, store: Store, timing: Timing, *, actor: str, policy_name: str = "spread",
@@ -182,6 +186,11 @@ class Dispatcher:
         self.policy_name = policy_name
         # how many seconds this server's group commits of node reports are behind (its gateway says)
         self.reports_behind = reports_behind
+        # The nodes whose streams this server holds, and how their Assigns reach them: the gateway's
+        # outbox, given the rows this dispatch marked delivered, pushes them as soon as it commits.
+        # With none (a scheduler without a gateway) every node is told by NOTIFY podium_node.
+        self.streams_here: Callable[[], Collection[str]] = tuple
+        self.push: Callable[[list[OutboxRow]], None] = _nowhere
         self.loop = WokenLoop("dispatch", store, "podium_dispatch", timing.tick, self._pass)
         # What placement knows of the connected nodes between ticks, and the snapshot horizon of the
         # read that brought it up to date (None: read them all next time).
@@ -250,7 +259,10 @@ class Dispatcher:
             actor=self.actor,
             nodes_since=self._horizon,
             reconcile_seconds=self.timing.reconcile,
+            deliver_here=self.streams_here(),
         )
+        if outcome.delivered:
+            self.push(outcome.delivered)
         if whole and not outcome.lost_races:
             self._window_looked_at = now
         return outcome

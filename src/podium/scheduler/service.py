@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from podium import reasons
@@ -23,7 +23,7 @@ from podium.scheduler.watchdog import DEFAULT_RETENTION, Watchdog
 from podium.store import Store
 from podium.store.db import DispatchOutcome
 from podium.store.reconcile import ReconcileStore
-from podium.store.rows import NodeRow, TaskRow
+from podium.store.rows import NodeRow, OutboxRow, TaskRow
 from podium.timing import Timing
 
 
@@ -45,6 +45,13 @@ class Scheduler:
         more than a share of the accept deadline (`dispatch.HOLD_SHARE`); `reports_behind` says by
         how many seconds. Given once the gateway exists (it is built after the scheduler)."""
         self.dispatcher.reports_behind = reports_behind
+
+    def deliver_through(self, streams_here: Callable[[], Collection[str]], push: Callable[[list[OutboxRow]], None]) -> None:
+        """Assigns for the nodes whose streams this server holds (`streams_here`) are marked delivered
+        by the dispatch that places them and handed to `push` (the gateway's outbox) once it commits:
+        no NOTIFY and no outbox take between a placement and its Assign. Other nodes' go by NOTIFY."""
+        self.dispatcher.streams_here = streams_here
+        self.dispatcher.push = push
 
     # ---- running ----------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import logging
 import random
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -214,6 +214,8 @@ class DispatchOutcome:
     limit: int = 0  # how many tasks this batch could claim
     reasons_written: int = 0  # queued tasks whose waiting reason changed (rows written for it)
     window_full: bool = False  # nothing claimed: too many assignments wait for their nodes already
+    # Assigns marked delivered by this dispatch (their nodes' streams are the caller's): to push now
+    delivered: list[OutboxRow] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -734,10 +736,15 @@ class Store:
         actor: str,
         nodes_since: int | None = None,
         reconcile_seconds: float = 30.0,
+        deliver_here: Collection[str] = (),
     ) -> DispatchOutcome:
         """Claim up to `claim_limit` queued tasks, as many as `plan` wants, let it place them, and make
         the result durable in one transaction: reservations, attempts, fencing tokens, leases, events,
         reasons, notifies.
+
+        `deliver_here` are the nodes whose streams the caller holds: their attempts are marked delivered
+        in the same statement and returned as `DispatchOutcome.delivered` for the caller to push at
+        once (no NOTIFY, no outbox take); every other node that got work is notified.
 
         `plan.begin` is given the node rows changed by transactions at or after `nodes_since` (every
         row placement may read, connected or not; all of them when it is None) and the horizon to
@@ -747,7 +754,8 @@ class Store:
         out = DispatchOutcome()
         try:
             return await self._dispatch(
-                out, claim_limit, accept_seconds, lease_seconds, plan, actor, nodes_since, reconcile_seconds
+                out, claim_limit, accept_seconds, lease_seconds, plan, actor, nodes_since, reconcile_seconds,
+                sorted(deliver_here),
             )
         except asyncpg.UniqueViolationError:
             # another scheduler handed out one of the same GPU indexes first: nothing of this batch
@@ -765,6 +773,7 @@ class Store:
         actor: str,
         nodes_since: int | None,
         reconcile_seconds: float,
+        deliver_here: list[str],
     ) -> DispatchOutcome:
         async with self._conn() as conn, conn.transaction():
             # the horizon first: whatever commits after it is read again next time
@@ -822,11 +831,19 @@ class Store:
                         actor,
                         [p.snapshot for p in kept],
                         reconcile_seconds,
+                        deliver_here,
                     )
                     out.assigned = [(r["id"], r["node_id"], r["fencing_token"]) for r in rows]
                     # claimed under FOR UPDATE, so every kept task must still have been queued
                     assert len(rows) == len(kept), "a claimed task changed state under its row lock"
-                    await conn.execute(self.q["notify_nodes"], sorted({r["node_id"] for r in rows}))
+                    out.delivered = sorted(
+                        (OutboxRow("assign", r["node_id"], r["id"], r["fencing_token"], r["attempt"], list(r["gpu_indexes"]),
+                                   r["spec"]) for r in rows if r["here"]),
+                        key=lambda o: (o.node_id, o.fencing_token),
+                    )  # fmt: skip
+                    elsewhere = sorted({r["node_id"] for r in rows if not r["here"]})
+                    if elsewhere:
+                        await conn.execute(self.q["notify_nodes"], elsewhere)
             if unplaced:
                 status = await conn.execute(self.q["set_queued_reasons"], list(unplaced), list(unplaced.values()))
                 out.reasons_written = int(status.rsplit(" ", 1)[-1])
@@ -965,6 +982,14 @@ class Store:
         if tokens:
             async with self._conn() as conn:
                 await conn.execute(self.q["redeliver"], list(tokens))
+
+    @_retried
+    async def give_back_assigns(self, tokens: Sequence[int]) -> None:
+        """Assigns a dispatch marked delivered that could not be pushed (the node's stream went away
+        meanwhile): undelivered again, and the replica that holds each node now is woken to take them."""
+        if tokens:
+            async with self._conn() as conn:
+                await conn.execute(self.q["give_back_assigns"], list(tokens))
 
     @_retried
     async def request_stop(self, node_id: str, tokens: Sequence[int]) -> None:

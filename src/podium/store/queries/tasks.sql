@@ -192,6 +192,10 @@ RETURNING n.id
 -- and an accept deadline per task, and an event, all in one statement. The attempt records what it
 -- was decided on: the node as placement saw it ($7, with the node's materializations as they are
 -- now), and its retry count and limit; its first reconcile is due $8 seconds from now.
+-- $9 are the nodes whose streams the dispatching server holds: their attempts are marked delivered
+-- here and come back with what the Assign carries (attempt, GPU indexes, pinned spec), pushed by that
+-- server as soon as this commits, with no outbox take; a push that then fails is repaired as a take's
+-- is (the node's next Hello redelivers). Every other node is told by NOTIFY podium_node.
 WITH d AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $7::jsonb[]) AS d(id, node_id, gpu_indexes, snapshot)
 ), t AS (
@@ -208,15 +212,18 @@ WITH d AS (
     WHERE tasks.id = d.id AND tasks.state = 'queued'
     RETURNING tasks.id, tasks.node_id, tasks.fencing_token, tasks.attempts, tasks.cpu_millis,
               tasks.memory_bytes, tasks.disk_bytes, tasks.gpus, tasks.accept_deadline, d.gpu_indexes,
-              COALESCE(tasks.spec->>'backend', 'process') AS backend_kind, d.snapshot, tasks.max_attempts
+              COALESCE(tasks.spec->>'backend', 'process') AS backend_kind, d.snapshot, tasks.max_attempts,
+              COALESCE(string_to_array(NULLIF(d.gpu_indexes, ''), ',')::int[], '{}') AS gpus_given,
+              tasks.node_id = ANY($9::text[]) AS here, tasks.spec, tasks.image, tasks.image_digest
 ), a AS (
     INSERT INTO attempts (task_id, attempt, fencing_token, node_id, state, cpu_millis, memory_bytes,
                           disk_bytes, gpus, gpu_indexes, accept_deadline, backend_kind, capability_snapshot,
-                          retry_count, retry_limit, next_reconcile_at)
+                          retry_count, retry_limit, next_reconcile_at, delivered_at)
     SELECT t.id, t.attempts, t.fencing_token, t.node_id, 'assigned', t.cpu_millis, t.memory_bytes, t.disk_bytes,
-           t.gpus, COALESCE(string_to_array(NULLIF(t.gpu_indexes, ''), ',')::int[], '{}'), t.accept_deadline,
+           t.gpus, t.gpus_given, t.accept_deadline,
            t.backend_kind, t.snapshot || jsonb_build_object('materializations', n.materializations),
-           t.attempts - 1, GREATEST(t.max_attempts - 1, 0), clock_timestamp() + make_interval(secs => $8)
+           t.attempts - 1, GREATEST(t.max_attempts - 1, 0), clock_timestamp() + make_interval(secs => $8),
+           CASE WHEN t.here THEN now() END
     FROM t JOIN nodes n ON n.id = t.node_id
 ), g AS (
     -- the primary key makes a GPU index impossible to hand out twice: a racing scheduler's whole
@@ -227,7 +234,9 @@ WITH d AS (
     INSERT INTO task_events (task_id, from_state, to_state, reason, actor, fencing_token)
     SELECT id, 'queued', 'assigned', NULL, $6, fencing_token FROM t
 )
-SELECT t.id, t.node_id, t.fencing_token FROM t
+SELECT t.id, t.node_id, t.fencing_token, t.here, t.attempts AS attempt, t.gpus_given AS gpu_indexes,
+       CASE WHEN t.here THEN {{pinned_spec: t}} END AS spec
+FROM t
 
 -- set_queued_reasons --
 -- (a placement reason has no words beside it: any left from an earlier end go with the old reason)
@@ -242,13 +251,21 @@ SELECT pg_notify('podium_node', n) FROM unnest($1::text[]) AS n
 -- notify_dispatch --
 SELECT pg_notify('podium_dispatch', '')
 
+-- _pinned_spec --
+-- The spec an Assign carries, as JSON text: a container task's image pinned to the digest it was
+-- resolved to (repository@digest, the tag dropped, as `spec.pinned_image` writes it), so no retag
+-- between attempts can change what runs. __ROWS__ has the task's spec, image and image_digest.
+(CASE WHEN __ROWS__.image_digest IS NULL THEN __ROWS__.spec
+      ELSE jsonb_set(__ROWS__.spec, '{image}', to_jsonb(
+          regexp_replace(split_part(__ROWS__.image, '@', 1), ':[^/:]*$', '') || '@' || __ROWS__.image_digest))
+ END)::text
+
 -- take_outbox --
 -- What a gateway owes a set of nodes: Assigns not yet pushed, and stops not yet sent. Marked as sent
 -- in the same statement; a send that then fails is repaired by the node's next Hello. One statement
--- for every node woken since the last take. A container task's spec goes out with its image pinned
--- to the digest it was resolved to (repository@digest, the tag dropped, as `spec.pinned_image`
--- writes it), so no retag between attempts can change what runs. The attempt rows are locked in (node, task) order, the
--- order a group commit of node reports takes them in, so the two never deadlock.
+-- for every node woken since the last take. An Assign's spec is pinned (`_pinned_spec`). The attempt
+-- rows are locked in (node, task) order, the order a group commit of node reports takes them in, so
+-- the two never deadlock.
 WITH due AS (
     SELECT a.fencing_token FROM attempts a
     WHERE a.node_id = ANY($1::text[])
@@ -260,11 +277,7 @@ WITH due AS (
     FROM due, tasks t
     WHERE a.fencing_token = due.fencing_token AND a.state = 'assigned' AND a.delivered_at IS NULL
       AND t.id = a.task_id AND t.fencing_token = a.fencing_token AND t.state = 'assigned'
-    RETURNING a.node_id, a.task_id, a.attempt, a.fencing_token, a.gpu_indexes,
-              (CASE WHEN t.image_digest IS NULL THEN t.spec
-                    ELSE jsonb_set(t.spec, '{image}', to_jsonb(
-                        regexp_replace(split_part(t.image, '@', 1), ':[^/:]*$', '') || '@' || t.image_digest))
-               END)::text AS spec
+    RETURNING a.node_id, a.task_id, a.attempt, a.fencing_token, a.gpu_indexes, {{pinned_spec: t}} AS spec
 ), stops AS (
     UPDATE attempts a SET stop_sent_at = now()
     FROM due
@@ -282,6 +295,16 @@ WHERE node_id = $1 AND state IN ('assigned', 'provisioning', 'running', 'cancell
 
 -- redeliver --
 UPDATE attempts SET delivered_at = NULL WHERE fencing_token = ANY($1::bigint[]) AND state = 'assigned'
+
+-- give_back_assigns --
+-- Assigns marked delivered by the dispatch that placed them, whose node's stream was gone before
+-- they could be pushed: undelivered again, and whichever replica holds the node now is woken.
+WITH r AS (
+    UPDATE attempts SET delivered_at = NULL
+    WHERE fencing_token = ANY($1::bigint[]) AND state = 'assigned' AND delivered_at IS NOT NULL
+    RETURNING node_id
+)
+SELECT count(pg_notify('podium_node', x.node_id)) FROM (SELECT DISTINCT node_id FROM r) x
 
 -- request_stop --
 -- Tell a node to stop an attempt it should not be running (a stale token it reported).
