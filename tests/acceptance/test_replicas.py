@@ -443,9 +443,17 @@ def test_replica_killed_and_another_paused_mid_run(cluster: Cluster) -> None:
     result: list[Submitted] = []
     errors: list[BaseException] = []
 
+    # The second half is submitted only once the killed replica's nodes stream to the others: the pause
+    # below needs queued work, and how long the reconnects take must not decide whether any is left.
+    second_half = threading.Event()
+
     def submit() -> None:
         try:
-            result.append(submit_all([s.api for s in servers], specs, concurrency=12, live=lambda: check_alive(servers[1:])))
+            apis = [s.api for s in servers]
+            result.append(submit_all(apis, specs[: n // 2], concurrency=12, live=lambda: check_alive(servers[1:])))
+            if not second_half.wait(180):
+                raise AssertionError("never told to submit the second half")
+            result.append(submit_all(apis, specs[n // 2 :], concurrency=12, live=lambda: check_alive(servers[1:])))
         except BaseException as e:  # noqa: BLE001 - reported by the test thread
             errors.append(e)
 
@@ -477,13 +485,14 @@ def test_replica_killed_and_another_paused_mid_run(cluster: Cluster) -> None:
              what="every node's stream to be held by a live replica")  # fmt: skip
 
     # SIGSTOP replica 1 (now holding six agents) between its read and its write, while work is queued
-    assert count_state(url, "queued") > 0, "the run finished before the pause: give it more work"
+    second_half.set()
+    wait_live(lambda: count_state(url, "queued") > 0, 60, servers[1:], "the second half to be queued")
     paused = pause_between_read_and_write(servers[1], url, PAUSE)
     assert paused.caught, f"never caught replica 1 inside a dispatch transaction ({paused.tries} tries)"
 
     submitter.join(180)
     assert not errors, errors
-    sub = result[0]
+    sub = Submitted(ids={k: v for r in result for k, v in r.ids.items()}, retries=sum(r.retries for r in result))
     assert len(sub.ids) == n and len(set(sub.ids.values())) == n
     wait_all_ended(url, n, 180, live=servers[1:])
     # a retried submit never made a second task, whichever replica answered it
