@@ -48,9 +48,14 @@ LIMIT $4
 -- events_held --
 -- Whether events after the cursor are committed but held back behind an older open transaction: the
 -- stream must look again soon, as that transaction may end without writing an event (no NOTIFY).
+-- The first such event in stream order, not EXISTS: the planner turned EXISTS into a sequential scan
+-- that read every stored event whenever none was held (every read of the event hub; 2.8 ms at 50,000
+-- events and growing with the table), where this walks the (txid, id) index from the cursor.
 WITH h AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS x)
-SELECT EXISTS (SELECT 1 FROM task_events WHERE txid >= (SELECT x FROM h) AND (txid, id) > ($1::text::xid8, $2::bigint))
-    OR EXISTS (SELECT 1 FROM node_states WHERE txid >= (SELECT x FROM h) AND (txid, id) > ($1::text::xid8, $2::bigint))
+SELECT (SELECT id FROM task_events WHERE (txid, id) > ($1::text::xid8, $2::bigint) AND txid >= (SELECT x FROM h)
+        ORDER BY txid, id LIMIT 1) IS NOT NULL
+    OR (SELECT id FROM node_states WHERE (txid, id) > ($1::text::xid8, $2::bigint) AND txid >= (SELECT x FROM h)
+        ORDER BY txid, id LIMIT 1) IS NOT NULL
 
 -- ui_tasks_page --
 -- Newest first, keyset-paged by (created_at, id): a page after ($1, $2) costs the same at any depth.
