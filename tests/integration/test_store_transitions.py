@@ -171,11 +171,9 @@ async def test_a_group_commit_gives_each_change_the_answer_it_would_get_alone(st
     assert [(await store.get_task(t)).state for t in ids] == ["succeeded", "assigned", "assigned", "assigned"]
     reserved = sum([(await node_row(store, n))["res_slots"] for n in ("n1", "n2")])
     assert reserved == 3  # a's slot freed once, the others still held
-    with pytest.raises(ValueError, match="one change per task"):
-        await store.transition_many([changes[1], changes[1]])
     with pytest.raises(ValueError, match="not allowed"):
-        await store.transition_many([Change(b, S.SUCCEEDED, S.RUNNING, actor="x")])
-    assert (await store.get_task(b)).state == "assigned"  # a refused batch touched nothing
+        await store.transition_many([changes[2], Change(b, S.SUCCEEDED, S.RUNNING, actor="x")])
+    assert [(await store.get_task(t)).state for t in (b, c)] == ["assigned", "assigned"]  # a refused batch touched nothing
     # several attempts on one node ending in one statement free all of their capacity
     rest = [Change(t, S.ASSIGNED, S.LOST, actor="watchdog", reason=reasons.NODE_LOST, end_attempt=AttemptState.LOST)
             for t in (b, c, d)]  # fmt: skip
@@ -185,3 +183,44 @@ async def test_a_group_commit_gives_each_change_the_answer_it_would_get_alone(st
     _, attempts, events = await store.task_detail(c)
     assert [a.state for a in attempts] == ["lost"] and attempts[0].released
     assert [(e.from_state, e.to_state, e.reason) for e in events][-1] == ("assigned", "lost", reasons.NODE_LOST)
+
+
+async def test_a_group_commit_makes_several_changes_of_one_task_in_order(store: Store) -> None:
+    """A node's `running` and its end read in one batch: each change of a task from the state the one
+    before it left, all in one commit (one transaction id); a later change of a task whose earlier one
+    was refused is not made, and the other tasks' changes are."""
+    from podium.store import Change
+
+    await add_node(store, "n1", slots=4)
+    a, b, c = [await submit(store) for _ in range(3)]
+    out = await place(store)
+    tok = {tid: t for tid, _node, t in out.assigned}
+    for tid in (a, b, c):
+        assert await store.transition_task(tid, S.ASSIGNED, S.PROVISIONING, actor="t", fencing_token=tok[tid],
+                                           node_id="n1", attempt_state=AttemptState.PROVISIONING)  # fmt: skip
+
+    def running(t: object, token: int) -> Change:
+        return Change(t, S.PROVISIONING, S.RUNNING, actor="node:n1", fencing_token=token, node_id="n1",
+                      attempt_state=AttemptState.RUNNING, lease_seconds=-1)  # fmt: skip
+
+    def exited(t: object, token: int, code: int) -> Change:
+        to = S.SUCCEEDED if code == 0 else S.FAILED
+        return Change(t, S.RUNNING, to, actor="node:n1", fencing_token=token, node_id="n1", exit_code=code,
+                      end_attempt=AttemptState.EXITED, reason=None if code == 0 else reasons.EXITED_NONZERO)  # fmt: skip
+
+    # b's running carries a stale token: refused, so its end is not tried either
+    changes = [running(a, tok[a]), running(b, tok[b] + 7), running(c, tok[c]), exited(a, tok[a], 0),
+               exited(b, tok[b], 0), exited(c, tok[c], 3)]  # fmt: skip
+    results = await store.transition_many(changes)
+    assert [r is not None for r in results] == [True, False, True, True, False, True]
+    assert [(await store.get_task(t)).state for t in (a, b, c)] == ["succeeded", "provisioning", "failed"]
+    for t, end in ((a, "succeeded"), (c, "failed")):
+        task, attempts, events, _nodes = await snapshot(store, t)
+        assert [(e["from_state"], e["to_state"]) for e in events][-2:] == [("provisioning", "running"), ("running", end)]
+        assert events[-1]["id"] > events[-2]["id"]  # the event stream keeps their order
+        assert attempts[-1]["started_at"] is not None and attempts[-1]["finished_at"] is not None
+        assert attempts[-1]["released"] and task["node_id"] is None
+    async with store.pool.acquire() as conn:
+        txids = await conn.fetch("SELECT DISTINCT xmin::text FROM tasks WHERE id = ANY($1::uuid[])", [a, c])
+    assert len(txids) == 1  # one transaction, one commit
+    assert (await node_row(store, "n1"))["res_slots"] == 1  # a's and c's slots freed once each; b's held

@@ -1,6 +1,7 @@
-"""Which node reports go into one group commit (`take_round_robin`): at most one per task, each task's
-in its order, streams served in turn — and a stream's reports of other tasks never wait behind a
-report that must (the overload scenario's late acceptances came from that wait)."""
+"""Which node reports go into one group commit (`take_round_robin`): each task's in its order — several
+of one task only when its stream sent them back to back for one attempt and only the last is an end —
+streams served in turn, and a stream's reports of other tasks never wait behind a report that must
+(the overload scenario's late acceptances came from that wait)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from podium.proto.podium.v1 import agent_pb2 as pb
 K = pb.TaskEvent.Kind
 
 
-def report(task: uuid.UUID, kind: str) -> Pending:
-    ev = pb.TaskEvent(task_id=str(task), fencing_token=1, kind=getattr(K, kind))
-    return Pending(ev, task, kind.lower())
+def report(task: uuid.UUID, kind: str, token: int = 1) -> Pending:
+    ev = pb.TaskEvent(task_id=str(task), fencing_token=token, kind=getattr(K, kind))
+    return Pending(ev, task, kind)  # the kind as the gateway names it (protocol.EXITED, …)
 
 
 def stream(name: str, *reports: Pending) -> Session:
@@ -25,35 +26,44 @@ def stream(name: str, *reports: Pending) -> Session:
 
 
 def kinds(batch: list[tuple[Session, Pending]]) -> list[tuple[str, uuid.UUID, str]]:
-    return [(s.node_id, p.task_id, p.kind) for s, p in batch]
+    return [(s.node_id, p.task_id, p.kind.lower()) for s, p in batch]
 
 
 def test_every_acceptance_of_a_node_given_many_tasks_goes_in_the_first_batch() -> None:
+    # a node given fourteen tasks at once that reports each one's start right behind its acceptance:
+    # all of it goes in the first batch, each task's reports in their order
     tasks = [uuid.uuid4() for _ in range(14)]
     s = stream("n1", *[r for t in tasks for r in (report(t, "PROVISIONING"), report(t, "RUNNING"))])
     batch, served = take_round_robin([s], 1000)
-    assert kinds(batch) == [("n1", t, "provisioning") for t in tasks]
+    assert kinds(batch) == [("n1", t, k) for t in tasks for k in ("provisioning", "running")]
     assert served == [s]
-    # what stays is every RUNNING, in arrival order, for the next batch
-    assert [(p.task_id, p.kind) for p in s.events] == [(t, "running") for t in tasks]
-    batch, _ = take_round_robin([s], 1000)
-    assert kinds(batch) == [("n1", t, "running") for t in tasks]
     assert not s.events
 
 
-def test_a_tasks_reports_keep_their_order_and_one_goes_per_batch() -> None:
+def test_a_tasks_running_and_its_end_go_in_one_batch_in_their_order() -> None:
     a, b = uuid.uuid4(), uuid.uuid4()
-    s = stream("n1", report(a, "PROVISIONING"), report(a, "RUNNING"), report(b, "PROVISIONING"),
-               report(a, "EXITED"), report(b, "RUNNING"))  # fmt: skip
+    s = stream("n1", report(a, "PROVISIONING"), report(b, "PROVISIONING"))
+    batch, _ = take_round_robin([s], 1000)
+    assert kinds(batch) == [("n1", a, "provisioning"), ("n1", b, "provisioning")]
+    # a short command: its running and its end arrive together and are committed together
+    s.events.extend([report(a, "RUNNING"), report(b, "RUNNING"), report(a, "EXITED")])
+    batch, _ = take_round_robin([s], 1000)
+    assert kinds(batch) == [("n1", a, "running"), ("n1", b, "running"), ("n1", a, "exited")]
+    assert not s.events
+
+
+def test_nothing_of_a_task_goes_in_a_batch_after_its_end_or_from_another_attempt() -> None:
+    a, b = uuid.uuid4(), uuid.uuid4()
+    # an end sent again after a reconnect, and a report of the task's next attempt (token 2), wait
+    s = stream("n1", report(a, "RUNNING"), report(a, "EXITED"), report(a, "EXITED"),
+               report(b, "RUNNING"), report(b, "PROVISIONING", token=2), report(b, "RUNNING", token=2))  # fmt: skip
     rounds = []
     while s.events:
         batch, _ = take_round_robin([s], 1000)
-        assert len({p.task_id for _s, p in batch}) == len(batch), "two reports of one task in a batch"
-        rounds.append([(p.task_id, p.kind) for _s, p in batch])
+        rounds.append([(p.task_id, p.kind.lower(), p.event.fencing_token) for _s, p in batch])
     assert rounds == [
-        [(a, "provisioning"), (b, "provisioning")],
-        [(a, "running"), (b, "running")],
-        [(a, "exited")],
+        [(a, "running", 1), (a, "exited", 1), (b, "running", 1)],
+        [(a, "exited", 1), (b, "provisioning", 2), (b, "running", 2)],
     ]
 
 
@@ -66,7 +76,7 @@ def test_a_report_held_back_keeps_its_tasks_later_reports_behind_it() -> None:
     batch, served = take_round_robin([other, s], 1000)
     assert kinds(batch) == [("n0", a, "not_running"), ("n1", b, "provisioning")]
     assert served == [other, s]
-    assert [(p.task_id, p.kind) for p in s.events] == [(a, "running"), (a, "exited")]
+    assert [(p.task_id, p.kind.lower()) for p in s.events] == [(a, "running"), (a, "exited")]
 
 
 def test_streams_are_served_in_turn_within_the_limit() -> None:
@@ -78,7 +88,7 @@ def test_streams_are_served_in_turn_within_the_limit() -> None:
     assert [len(s.events) for s in streams] == [3, 3, 4, 4]
     # the reports left are the ones not taken, in their order
     for s in streams:
-        assert all(p.kind == "provisioning" for p in s.events)
+        assert all(p.kind.lower() == "provisioning" for p in s.events)
 
 
 def test_nothing_to_take() -> None:
@@ -90,4 +100,4 @@ def test_nothing_to_take() -> None:
     batch, served = take_round_robin([s, other], 1000)
     assert kinds(batch) == [("n1", a, "running")]
     assert served == [s]
-    assert [p.kind for p in other.events] == ["exited"]
+    assert [p.kind.lower() for p in other.events] == ["exited"]

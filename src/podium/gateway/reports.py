@@ -2,14 +2,16 @@
 
 A stream's reader only queues a report here and goes on reading (so its heartbeats never wait behind
 its reports). `ReportBatcher.loop` takes every queued report — round robin over the streams, each
-task's in arrival order, at most one per task per batch — reads those tasks in one query, lets the
-policy decide each, and applies them with one `transition_many` (one commit). Before a batch that
+task's in arrival order (its `running` and its end together, see `take_round_robin`) — reads those
+tasks in one query, lets the policy decide each, and applies them with one `transition_many` (one
+commit). Before a batch that
 ends attempts it awaits the log flusher it was given: an attempt's output is stored before its end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import uuid
@@ -21,6 +23,7 @@ from podium.gateway.sessions import ACCEPTED, Pending, Session, Sessions, accept
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.scheduler import policy
 from podium.scheduler.apply import change, facts
+from podium.scheduler.policy import TaskFacts
 from podium.store import Change, Store
 from podium.store.rows import TaskFactsRow
 from podium.timing import Timing
@@ -157,9 +160,12 @@ class ReportBatcher:
         # node, told its end is recorded, forgets no output that is not)
         if any(p.final for _s, p in batch) and not await self.flush_logs():
             raise StoreUnavailable("the output sent before these ends is not stored yet")
-        rows = await self.store.task_facts_many([p.task_id for _s, p in batch])
+        rows = await self.store.task_facts_many(list({p.task_id: None for _s, p in batch}))
         changes: list[Change] = []
         planned: list[tuple[Session, Pending]] = []
+        # a task's facts as its reports earlier in this batch will have left them (its `running` and
+        # its end, read together, are decided one after the other and made in one commit)
+        ahead: dict[uuid.UUID, TaskFacts] = {}
         for s, p in batch:
             ev = p.event
             row = rows.get(p.task_id)
@@ -172,7 +178,7 @@ class ReportBatcher:
                 # (an end already recorded, sent again after a reconnect, is only acknowledged)
                 self._answer(s, p, applied=False)
                 continue
-            f = facts(row)
+            f = ahead.get(p.task_id) or facts(row)
             step = policy.on_node_event(
                 f, p.kind, ev.exit_code if p.kind == protocol.EXITED else None, self.timing,
                 failure_class=ev.failure_class, message=ev.message,
@@ -188,14 +194,20 @@ class ReportBatcher:
                 backend_ref=ev.backend_ref,
             ))  # fmt: skip
             planned.append((s, p))
+            ahead[p.task_id] = dataclasses.replace(f, state=step.to)
         results = await self.store.transition_many(changes) if changes else []
         metrics.NODE_REPORT_BATCH.observe(len(batch))
         again: list[tuple[Session, Pending]] = []
+        refused: set[uuid.UUID] = set()  # tasks whose change in this batch was not made
         for (s, p), done in zip(planned, results, strict=True):
             if done is not None:
                 metrics.NODE_REPORTS.labels("applied").inc()
                 self._answer(s, p, applied=True)
                 continue
+            if p.task_id in refused:
+                again.append((s, p))  # not tried: its task's earlier report lost a race; decided anew
+                continue
+            refused.add(p.task_id)
             # the task moved between the read and the write (a sweep, a cancel): decide again
             p.tries += 1
             if p.tries < EVENT_TRIES:
@@ -230,9 +242,13 @@ def take_round_robin(sessions: list[Session], limit: int) -> tuple[list[tuple[Se
     """Take up to `limit` reports from the streams' queues for one group commit: a round takes one
     report from each stream in turn, so no stream waits behind another's backlog.
 
-    At most one report per task goes in a batch (the next waits for the next batch), and a task's
-    reports keep their order. Reports of *other* tasks do not wait behind one that must: a node
-    given fourteen tasks at once reports PROVISIONING, RUNNING, PROVISIONING, RUNNING, … and every
+    A task's reports keep their order. Several of one task go in one batch when its stream sent them
+    one after the other for the same attempt and none but the last is an end (a short command's
+    `running` and its end: they are made in order in one commit, instead of the end waiting a whole
+    group commit behind its `running`). Anything else of a task already in the batch — another
+    stream's report, another attempt's, one after an end — waits for the next batch, and so do that
+    task's later reports. Reports of *other* tasks do not wait behind one that must: a node given
+    fourteen tasks at once reports PROVISIONING, RUNNING, PROVISIONING, RUNNING, … and every
     PROVISIONING goes in the first batch. Taking a stream's queue strictly in order instead stopped
     it at its first RUNNING, so its last acceptance waited a batch per task it was given and, on a
     busy server, past its 15 s accept deadline. Only a task's own order matters: each report is a
@@ -241,7 +257,8 @@ def take_round_robin(sessions: list[Session], limit: int) -> tuple[list[tuple[Se
     Returns the batch and the streams it took from (in the order served); the taken reports are
     removed from their queues, the rest stay in arrival order."""
     batch: list[tuple[Session, Pending]] = []
-    tasks: set[uuid.UUID] = set()
+    # per task in the batch: the stream and the last report taken of it
+    last: dict[uuid.UUID, tuple[Session, Pending]] = {}
     # per stream: where its scan is, and the tasks whose next report stays behind (not taken)
     at: dict[Session, int] = {}
     held: dict[Session, set[uuid.UUID]] = {}
@@ -256,10 +273,11 @@ def take_round_robin(sessions: list[Session], limit: int) -> tuple[list[tuple[Se
             while i < len(events):
                 p = events[i]
                 i += 1
-                if p.task_id in tasks or p.task_id in wait:
+                before = last.get(p.task_id)
+                if p.task_id in wait or (before is not None and not _follows(before, s, p)):
                     wait.add(p.task_id)  # it stays, and its task's later reports stay behind it
                     continue
-                tasks.add(p.task_id)
+                last[p.task_id] = (s, p)
                 batch.append((s, p))
                 taken.setdefault(s, []).append(i - 1)
                 again.append(s)
@@ -275,6 +293,12 @@ def take_round_robin(sessions: list[Session], limit: int) -> tuple[list[tuple[Se
             s.events.clear()
             s.events.extend(kept)
     return batch, list(taken)
+
+
+def _follows(before: tuple[Session, Pending], s: Session, p: Pending) -> bool:
+    """May `p` go in the same batch right after its task's report `before`?"""
+    bs, bp = before
+    return bs is s and not bp.final and bp.event.fencing_token == p.event.fencing_token
 
 
 class ReleaseProofs:

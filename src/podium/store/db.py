@@ -187,9 +187,10 @@ class Change:
         )  # fmt: skip
 
 
-def _columns(changes: Sequence[Change]) -> list[list[Any]]:
-    """`transition_tasks` takes its rows as columns (arrays): one statement for any number of changes."""
-    return [list(c) for c in zip(*(ch.row() for ch in changes), strict=True)]
+def _columns(rows: Sequence[tuple[Any, ...]]) -> list[list[Any]]:
+    """`transition_tasks` takes its rows (`Change.row`) as columns (arrays): one statement for any
+    number of changes."""
+    return [list(c) for c in zip(*rows, strict=True)]
 
 
 @dataclass(slots=True)
@@ -545,7 +546,7 @@ class Store:
         change bumps it.
         """
         async with self._conn() as c:
-            row = await c.fetchrow(self.q["transition_tasks"], *_columns([change]))
+            row = await c.fetchrow(self.q["transition_tasks"], *_columns([change.row()]))
         if row is None:
             return None
         return Transition(row["id"], row["fencing_token"], row["attempt_node"])
@@ -581,21 +582,42 @@ class Store:
 
     @_retried
     async def transition_many(self, changes: Sequence[Change]) -> list[Transition | None]:
-        """Many compare-and-sets in one statement and one commit (a group commit), each with the answer
-        it would get alone. At most one change per task. The rows are locked first — the tasks in id
-        order, then their nodes in id order — the order a single change and placement take them in."""
-        ids = [c.task_id for c in changes]
-        if len(set(ids)) != len(ids):
-            raise ValueError("transition_many takes at most one change per task")
+        """Many compare-and-sets in one transaction and one commit (a group commit), each with the
+        answer it would get alone. A task may have several changes, made in the order given, each from
+        the state the one before it left (a node's `running` and its end, read in one batch): one
+        statement per layer — the first change of every task, then the second of those whose first
+        was made, … — and a later change of a task whose earlier one was refused is not tried (None).
+        The rows are locked first — the tasks in id order, then their nodes in id order — the order a
+        single change and placement take them in."""
         if not changes:
             return []
-        cols = _columns(changes)
+        layers: list[list[int]] = []  # indexes into `changes`, one layer per rank of a task's changes
+        rank: dict[uuid.UUID, int] = {}
+        for i, c in enumerate(changes):
+            k = rank.get(c.task_id, 0)
+            rank[c.task_id] = k + 1
+            if k == len(layers):
+                layers.append([])
+            layers[k].append(i)
+        rows = [c.row() for c in changes]  # refuses a change that is not allowed before anything is sent
+        ids = list(rank)
+        out: list[Transition | None] = [None] * len(changes)
         async with self._conn() as conn, conn.transaction():
             await conn.execute(self.q["lock_tasks"], ids)
             await conn.execute(self.q["lock_nodes_of_tasks"], ids)
-            rows = await conn.fetch(self.q["transition_tasks"], *cols)
-        done = {r["id"]: Transition(r["id"], r["fencing_token"], r["attempt_node"]) for r in rows}
-        return [done.get(c.task_id) for c in changes]
+            made: set[uuid.UUID] = set(ids)  # tasks whose every change so far was made
+            for layer in layers:
+                todo = [i for i in layer if changes[i].task_id in made]
+                if not todo:
+                    break
+                done = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], *_columns([rows[i] for i in todo]))}
+                made = set()
+                for i in todo:
+                    r = done.get(changes[i].task_id)
+                    if r is not None:
+                        out[i] = Transition(r["id"], r["fencing_token"], r["attempt_node"])
+                        made.add(changes[i].task_id)
+        return out
 
     async def task_facts_many(self, task_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, TaskFactsRow]:
         async with self._conn() as conn:

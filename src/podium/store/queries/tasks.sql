@@ -41,7 +41,8 @@ SELECT * FROM tasks WHERE idempotency_key = $1
 -- answer. Per row: `from_state` is the expected state; `token` and `node` are checked when a node is
 -- the actor. A row that matches nothing was rejected and changed nothing. `end_attempt` ends the
 -- current attempt with that attempt state, freeing its capacity exactly once; `attempt_state` moves
--- it forward instead (provisioning, running); `stop` asks the node to stop it. At most one row per task.
+-- it forward instead (provisioning, running); `stop` asks the node to stop it. At most one row per task
+-- (`Store.transition_many` runs it once per layer for a batch with several changes of one task).
 -- An end carries its failure class and the words beside its reason (`detail`). A container attempt's
 -- end frees its capacity only if its release proof is already recorded, or `release` says the
 -- node-loss policy gave up on the node (then the proof says so); otherwise it stays reserved until
