@@ -146,6 +146,10 @@ DISPATCH_COUNTERS = {
     "claimed": "podium_dispatch_claimed_total",
     "reasons_written": "podium_dispatch_reasons_written_total",
     "placements": "podium_placements_total",
+    "dispatch_seconds": "podium_dispatch_seconds_sum",
+    "report_commits": "podium_node_report_batch_seconds_count",
+    "report_commit_seconds": "podium_node_report_batch_seconds_sum",
+    "reports": "podium_node_report_batch_size_sum",
 }
 
 
@@ -233,7 +237,7 @@ def main() -> None:
             load0, before, since = load(), cpu_ticks(str(run.tmp)), time.time()
             r = b.burst(a.tasks, a.batch)
             after = cpu_ticks(str(run.tmp))
-            r["dispatch"] = {k: int(v - counted[k]) for k, v in dispatch_counters(b.addr, b.token).items()}
+            r["dispatch"] = {k: round(v - counted[k], 3) for k, v in dispatch_counters(b.addr, b.token).items()}
             hz = os.sysconf("SC_CLK_TCK")
             r["cpu_ms_per_task"] = {k: round((after.get(k, 0) - before.get(k, 0)) * 1000 / hz / a.tasks, 2)
                                     for k in sorted(after)}  # fmt: skip
@@ -268,8 +272,13 @@ def summary(r: dict) -> str:  # type: ignore[type-arg]
              f"  submit → running p50/p99 {pr('submit_to_running_ms')}; → succeeded {pr('submit_to_succeeded_ms')}"]  # fmt: skip
     if "submit_to_first_instruction_ms" in r:
         lines.append(f"  submit → first instruction p50/p99 {pr('submit_to_first_instruction_ms')}")
-    if r.get("dispatch"):
-        lines.append("  dispatcher over the burst: " + ", ".join(f"{k} {v}" for k, v in r["dispatch"].items()))
+    if d := r.get("dispatch"):
+        lines.append("  dispatcher over the burst: " + ", ".join(f"{k} {d[k]:g}" for k in list(DISPATCH_COUNTERS)[:4] if k in d))
+        if d.get("passes"):
+            lines[-1] += f", {d['dispatch_seconds'] * 1000 / d['passes']:.1f} ms a pass"
+        if d.get("report_commits"):
+            lines.append(f"  node report group commits: {d['report_commits']:g}, {d['reports'] / d['report_commits']:.1f} "
+                         f"reports and {d['report_commit_seconds'] * 1000 / d['report_commits']:.1f} ms each")  # fmt: skip
     if "cpu_ms_per_task" in r:
         lines.append("  CPU ms per task: " + ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_task"].items()))
     for stage, v in r.get("stages_ms", {}).items():
