@@ -16,7 +16,7 @@ import pytest
 
 from podium import failures, protocol, reasons
 from podium.scheduler import policy
-from podium.scheduler.apply import facts
+from podium.scheduler.apply import change, facts
 from podium.scheduler.service import Scheduler
 from podium.spec import TaskSpec
 from podium.states import TaskState
@@ -69,18 +69,16 @@ async def placed(store: Store, tid: uuid.UUID) -> tuple[str, int]:
 async def report(store: Store, tid: uuid.UUID, node: str, token: int, kind: str, exit_code: int | None = None, *,
                  failure_class: str = "", message: str = "", backend_ref: str = "") -> bool:  # fmt: skip
     """A node's report, decided and written as the gateway's group commit does it."""
-    row = (await store.task_facts_many([tid]))[tid]
-    f = facts(row)
-    step = policy.on_node_event(f, kind, exit_code, T, failure_class=failure_class, message=message)
-    if step is None:
-        return False
-    (done,) = await store.transition_many([Change(
-        tid, f.state, step.to, actor=f"node:{node}", reason=step.reason, fencing_token=token, node_id=node,
-        exit_code=step.exit_code, lease_seconds=step.lease_seconds, end_attempt=step.end_attempt,
-        attempt_state=step.attempt_state, stop=step.stop, failure_class=step.failure_class, detail=step.detail,
-        backend_ref=backend_ref or None, release=step.release,
-    )])  # fmt: skip
-    return done is not None
+
+    def decide(rows: Any) -> list[Change]:
+        f = facts(rows[tid])
+        step = policy.on_node_event(f, kind, exit_code, T, failure_class=failure_class, message=message)
+        if step is None:
+            return []
+        return [change(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node, backend_ref=backend_ref)]
+
+    changes, done = await store.transition_decided([tid], decide)
+    return bool(changes) and done[0] is not None
 
 
 async def running(store: Store, tid: uuid.UUID, ref: str = "") -> tuple[str, int]:

@@ -3,6 +3,8 @@ through; a wrong `from`, a stale fencing token or another node's claim changes n
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from podium import reasons
@@ -224,3 +226,56 @@ async def test_a_group_commit_makes_several_changes_of_one_task_in_order(store: 
         txids = await conn.fetch("SELECT DISTINCT xmin::text FROM tasks WHERE id = ANY($1::uuid[])", [a, c])
     assert len(txids) == 1  # one transaction, one commit
     assert (await node_row(store, "n1"))["res_slots"] == 1  # a's and c's slots freed once each; b's held
+
+
+async def test_a_decided_group_commit_reads_under_the_locks_it_writes_under(store: Store) -> None:
+    """transition_decided: the tasks and their nodes are locked by the statement that reads the
+    tasks, so a change elsewhere either commits before the read (and is what `decide` sees) or waits
+    for the commit; `decide` may change only tasks it was given."""
+    import asyncio
+
+    import asyncpg
+
+    from podium.store import Change
+
+    await add_node(store, "n1", slots=4)
+    a, b = await submit(store), await submit(store)
+    out = await place(store)
+    tok = {tid: t for tid, _node, t in out.assigned}
+    seen: list[str] = []
+
+    def provisioning(rows: Any) -> list[Change]:
+        seen.append(rows[a].state)
+        if rows[a].state != S.ASSIGNED:
+            return []
+        return [Change(a, S.ASSIGNED, S.PROVISIONING, actor="node:n1", fencing_token=tok[a], node_id="n1",
+                       attempt_state=AttemptState.PROVISIONING)]  # fmt: skip
+
+    async with store.pool.acquire() as other:
+        tr = other.transaction()
+        await tr.start()
+        # another writer holds the task and moves it; the group commit waits for it, then reads its result
+        await other.execute("SELECT 1 FROM tasks WHERE id = $1 FOR NO KEY UPDATE", a)
+        pending = asyncio.ensure_future(store.transition_decided([a], provisioning))
+        await asyncio.sleep(0.3)
+        assert not pending.done() and seen == []  # nothing read before the lock was had
+        await other.execute("UPDATE tasks SET state = 'cancelling' WHERE id = $1", a)
+        await tr.commit()
+        changes, results = await pending
+    assert seen == ["cancelling"] and changes == [] and results == []
+
+    # while the read's transaction is open, the task and its node are locked against other writers
+    async with store.pool.acquire() as mine, mine.transaction():
+        await mine.fetch(store.q["lock_task_facts"], [b])
+        async with store.pool.acquire() as other:
+            for sql, key in (("SELECT 1 FROM tasks WHERE id = $1 FOR NO KEY UPDATE NOWAIT", b),
+                             ("SELECT 1 FROM nodes WHERE id = $1 FOR NO KEY UPDATE NOWAIT", "n1")):  # fmt: skip
+                with pytest.raises(asyncpg.LockNotAvailableError):
+                    await other.execute(sql, key)
+
+    def stray(rows: Any) -> list[Change]:
+        return [Change(a, S.CANCELLING, S.CANCELLED, actor="x", end_attempt=AttemptState.STOPPED)]
+
+    with pytest.raises(ValueError, match="not read and locked"):
+        await store.transition_decided([b], stray)
+    assert (await store.get_task(a)).state == "cancelling"  # the refused batch wrote nothing

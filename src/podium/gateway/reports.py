@@ -3,19 +3,20 @@
 A stream's reader only queues a report here and goes on reading (so its heartbeats never wait behind
 its reports). `ReportBatcher.loop` takes every queued report — round robin over the streams, each
 task's in arrival order (its `running` and its end together, see `take_round_robin`) — reads those
-tasks in one query, lets the policy decide each, and applies them with one `transition_many` (one
-commit). Before a batch that
-ends attempts it awaits the log flusher it was given: an attempt's output is stored before its end.
+tasks under their locks in one statement, lets the policy decide each, and applies them in the same
+transaction (`Store.transition_decided`: one commit). Before a batch that ends attempts it awaits the
+log flusher it was given: an attempt's output is stored before its end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from podium import metrics, protocol
 from podium.errors import StoreUnavailable
@@ -35,6 +36,16 @@ EVENT_BATCH = 1000  # node reports applied in one transaction (one commit) at mo
 EVENT_TRIES = 5  # a report whose task keeps moving between read and write is given up after this
 SESSION_BACKLOG = 4096  # reports one stream may have waiting before its reader stops reading
 _KIND = {v: k for k, v in pb.TaskEvent.Kind.items()}
+
+
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    """A batch's decisions: the changes to make, the reports they answer (aligned), and what the nodes
+    are told of the reports that change nothing (run once the batch is committed)."""
+
+    changes: list[Change] = dataclasses.field(default_factory=list)
+    planned: list[tuple[Session, Pending]] = dataclasses.field(default_factory=list)
+    answers: list[Callable[[], object]] = dataclasses.field(default_factory=list)
 
 
 class ReportBatcher:
@@ -160,9 +171,45 @@ class ReportBatcher:
         # node, told its end is recorded, forgets no output that is not)
         if any(p.final for _s, p in batch) and not await self.flush_logs():
             raise StoreUnavailable("the output sent before these ends is not stored yet")
-        rows = await self.store.task_facts_many(list({p.task_id: None for _s, p in batch}))
-        changes: list[Change] = []
-        planned: list[tuple[Session, Pending]] = []
+        plan: _Plan | None = None
+
+        def decide(rows: Mapping[uuid.UUID, TaskFactsRow]) -> list[Change]:
+            nonlocal plan
+            plan = self._decide(batch, rows)
+            return plan.changes
+
+        # read under the locks the changes are written under: one statement, then one per layer
+        _changes, results = await self.store.transition_decided(list({p.task_id: None for _s, p in batch}), decide)
+        assert plan is not None
+        metrics.NODE_REPORT_BATCH.observe(len(batch))
+        for answer in plan.answers:  # what the node hears of the reports that changed nothing
+            answer()
+        again: list[tuple[Session, Pending]] = []
+        refused: set[uuid.UUID] = set()  # tasks whose change in this batch was not made
+        for (s, p), done in zip(plan.planned, results, strict=True):
+            if done is not None:
+                metrics.NODE_REPORTS.labels("applied").inc()
+                self._answer(s, p, applied=True)
+                continue
+            if p.task_id in refused:
+                again.append((s, p))  # not tried: its task's earlier report was refused; decided anew
+                continue
+            refused.add(p.task_id)
+            # refused by what the change checks itself: decide again on a fresh read
+            p.tries += 1
+            if p.tries < EVENT_TRIES:
+                again.append((s, p))
+            else:
+                log.warning("node %s: %s for task %s kept losing races; dropped", s.node_id, p.kind, p.task_id)
+                metrics.NODE_REPORTS.labels("dropped").inc()
+                self._answer(s, p, applied=False)
+        self._put_back(again)
+
+    def _decide(self, batch: list[tuple[Session, Pending]], rows: Mapping[uuid.UUID, TaskFactsRow]) -> _Plan:
+        """What the batch's reports mean, decided on the tasks as read under their locks: the changes
+        to make (with the reports they answer) and what to tell the nodes of the others once the
+        batch is committed. Only computes: it runs again when the transaction is retried."""
+        plan = _Plan()
         # a task's facts as its reports earlier in this batch will have left them (its `running` and
         # its end, read together, are decided one after the other and made in one commit)
         ahead: dict[uuid.UUID, TaskFacts] = {}
@@ -172,11 +219,11 @@ class ReportBatcher:
             if row is None or row.fencing_token != ev.fencing_token or row.node_id != s.node_id:
                 if not (row is not None and p.final and row.fencing_token == ev.fencing_token):
                     # a stale or foreign attempt: refuse it, and make sure the node stops it
-                    self._reject(s, p, row)
+                    plan.answers.append(functools.partial(self._reject, s, p, row))
                 else:
-                    metrics.NODE_REPORTS.labels("settled").inc()
+                    plan.answers.append(functools.partial(metrics.NODE_REPORTS.labels("settled").inc))
                 # (an end already recorded, sent again after a reconnect, is only acknowledged)
-                self._answer(s, p, applied=False)
+                plan.answers.append(functools.partial(self._answer, s, p, applied=False))
                 continue
             f = ahead.get(p.task_id) or facts(row)
             step = policy.on_node_event(
@@ -185,38 +232,17 @@ class ReportBatcher:
             )  # fmt: skip
             if step is None:
                 if p.kind == protocol.PROVISIONING and f.state in ACCEPTED:
-                    accepted(s, ev.task_id, ev.fencing_token)  # a repeat: it was recorded
-                metrics.NODE_REPORTS.labels("settled").inc()
-                self._answer(s, p, applied=False)
+                    plan.answers.append(functools.partial(accepted, s, ev.task_id, ev.fencing_token))  # a repeat: it was recorded
+                plan.answers.append(functools.partial(metrics.NODE_REPORTS.labels("settled").inc))
+                plan.answers.append(functools.partial(self._answer, s, p, applied=False))
                 continue
-            changes.append(change(
+            plan.changes.append(change(
                 p.task_id, f.state, step, actor=f"node:{s.node_id}", fencing_token=ev.fencing_token, node_id=s.node_id,
                 backend_ref=ev.backend_ref,
             ))  # fmt: skip
-            planned.append((s, p))
+            plan.planned.append((s, p))
             ahead[p.task_id] = dataclasses.replace(f, state=step.to)
-        results = await self.store.transition_many(changes) if changes else []
-        metrics.NODE_REPORT_BATCH.observe(len(batch))
-        again: list[tuple[Session, Pending]] = []
-        refused: set[uuid.UUID] = set()  # tasks whose change in this batch was not made
-        for (s, p), done in zip(planned, results, strict=True):
-            if done is not None:
-                metrics.NODE_REPORTS.labels("applied").inc()
-                self._answer(s, p, applied=True)
-                continue
-            if p.task_id in refused:
-                again.append((s, p))  # not tried: its task's earlier report lost a race; decided anew
-                continue
-            refused.add(p.task_id)
-            # the task moved between the read and the write (a sweep, a cancel): decide again
-            p.tries += 1
-            if p.tries < EVENT_TRIES:
-                again.append((s, p))
-            else:
-                log.warning("node %s: %s for task %s kept losing races; dropped", s.node_id, p.kind, p.task_id)
-                metrics.NODE_REPORTS.labels("dropped").inc()
-                self._answer(s, p, applied=False)
-        self._put_back(again)
+        return plan
 
     def _reject(self, s: Session, p: Pending, row: TaskFactsRow | None) -> None:
         metrics.NODE_REPORTS.labels("rejected").inc()

@@ -584,13 +584,45 @@ class Store:
     async def transition_many(self, changes: Sequence[Change]) -> list[Transition | None]:
         """Many compare-and-sets in one transaction and one commit (a group commit), each with the
         answer it would get alone. A task may have several changes, made in the order given, each from
-        the state the one before it left (a node's `running` and its end, read in one batch): one
-        statement per layer — the first change of every task, then the second of those whose first
-        was made, … — and a later change of a task whose earlier one was refused is not tried (None).
-        The rows are locked first — the tasks in id order, then their nodes in id order — the order a
-        single change and placement take them in."""
+        the state the one before it left (see `_made_in_layers`). The rows are locked first — the tasks
+        in id order, then their nodes in id order — the order a single change and placement take them in."""
         if not changes:
             return []
+        rows = [c.row() for c in changes]  # refuses a change that is not allowed before anything is sent
+        ids = list({c.task_id: None for c in changes})
+        async with self._conn() as conn, conn.transaction():
+            await conn.execute(self.q["lock_tasks"], ids)
+            await conn.execute(self.q["lock_nodes_of_tasks"], ids)
+            return await self._made_in_layers(conn, changes, rows)
+
+    @_retried
+    async def transition_decided(
+        self, task_ids: Sequence[uuid.UUID], decide: Callable[[Mapping[uuid.UUID, TaskFactsRow]], Sequence[Change]]
+    ) -> tuple[list[Change], list[Transition | None]]:
+        """Lock these tasks and their nodes and read the tasks (one statement), let `decide` turn what
+        it read into changes, and make them as `transition_many` does — one transaction, one commit.
+        What a change is decided on cannot move before it is made (the rows stay locked), so a change
+        is refused only for what it checks itself (its token, its node). `decide` runs again, on a
+        fresh read, when the transaction is retried: it must only compute. Returns the changes of the
+        last `decide` and each one's answer. A task absent from the database is absent from the read."""
+        async with self._conn() as conn, conn.transaction():
+            read = TaskFactsRow.many(await conn.fetch(self.q["lock_task_facts"], list(task_ids)))
+            changes = list(decide({r.id: r for r in read}))
+            if not changes:
+                return [], []
+            rows = [c.row() for c in changes]
+            if stray := {c.task_id for c in changes} - {r.id for r in read}:
+                raise ValueError(f"changes to tasks that were not read and locked: {sorted(map(str, stray))}")
+            return changes, await self._made_in_layers(conn, changes, rows)
+
+    async def _made_in_layers(
+        self, conn: asyncpg.Connection, changes: Sequence[Change], rows: Sequence[tuple[Any, ...]]
+    ) -> list[Transition | None]:
+        """Make `changes` (their `Change.row`s given) on a connection whose transaction holds their
+        tasks' and nodes' locks: one statement per layer — the first change of every task, then the
+        second of those whose first was made, … (a node's `running` and its end, read in one batch) —
+        each from the state the one before it left. A later change of a task whose earlier one was
+        refused is not tried (None)."""
         layers: list[list[int]] = []  # indexes into `changes`, one layer per rank of a task's changes
         rank: dict[uuid.UUID, int] = {}
         for i, c in enumerate(changes):
@@ -599,29 +631,20 @@ class Store:
             if k == len(layers):
                 layers.append([])
             layers[k].append(i)
-        rows = [c.row() for c in changes]  # refuses a change that is not allowed before anything is sent
-        ids = list(rank)
         out: list[Transition | None] = [None] * len(changes)
-        async with self._conn() as conn, conn.transaction():
-            await conn.execute(self.q["lock_tasks"], ids)
-            await conn.execute(self.q["lock_nodes_of_tasks"], ids)
-            made: set[uuid.UUID] = set(ids)  # tasks whose every change so far was made
-            for layer in layers:
-                todo = [i for i in layer if changes[i].task_id in made]
-                if not todo:
-                    break
-                done = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], *_columns([rows[i] for i in todo]))}
-                made = set()
-                for i in todo:
-                    r = done.get(changes[i].task_id)
-                    if r is not None:
-                        out[i] = Transition(r["id"], r["fencing_token"], r["attempt_node"])
-                        made.add(changes[i].task_id)
+        made: set[uuid.UUID] = set(rank)  # tasks whose every change so far was made
+        for layer in layers:
+            todo = [i for i in layer if changes[i].task_id in made]
+            if not todo:
+                break
+            done = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], *_columns([rows[i] for i in todo]))}
+            made = set()
+            for i in todo:
+                r = done.get(changes[i].task_id)
+                if r is not None:
+                    out[i] = Transition(r["id"], r["fencing_token"], r["attempt_node"])
+                    made.add(changes[i].task_id)
         return out
-
-    async def task_facts_many(self, task_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, TaskFactsRow]:
-        async with self._conn() as conn:
-            return {r.id: r for r in TaskFactsRow.many(await conn.fetch(self.q["task_facts_many"], list(task_ids)))}
 
     async def assigned_in_flight(self, up_to: int) -> int:
         async with self._conn() as conn:
