@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import signal
 import socket
 import time
@@ -44,6 +43,7 @@ from podium.agent.backends.base import (
 )
 from podium.agent.backends.process import ProcessBackend
 from podium.agent.fence import LEASE_EXPIRED, FenceKeeper
+from podium.agent.workdirs import WorkDirs
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.protocol import FINAL_KINDS, PROTOCOL_MAX, PROTOCOL_MIN, fence_after, take_batch
@@ -164,6 +164,7 @@ class Agent:
         self._buffer: deque[pb.AgentMessage] = deque()  # what waits for a stream
         self.connected = asyncio.Event()
         self.workdir = config.state_dir / "tasks"
+        self.workdirs = WorkDirs(self.workdir)
         self.fence_after = fence_after(timing)  # until a Welcome says otherwise
         self._beats_sent: dict[int, float] = {}  # heartbeat seq → when it was sent (monotonic)
         self.backends: dict[str, Backend] = {}
@@ -617,6 +618,8 @@ class Agent:
                             failure_class=FAILURE_PROVISIONING)  # fmt: skip
                 return
             a.backend = backend
+            if backend.uses_workdir:
+                self.workdirs.make(workdir.name)  # before Accepted: nothing of it between that and the start
             run_spec, env = self._run_spec(a, backend, secret_env, gpus, logins or [], workdir)
             if self.cfg.provision_delay:
                 await asyncio.sleep(self.cfg.provision_delay)
@@ -694,12 +697,9 @@ class Agent:
                     await backend.stop(handle, 0, FAILURE_INTERNAL)
             self._event(a, K.FAILED_RETRYABLE, message=str(e))
         finally:
-            # In a thread, not on the loop: an rmdir waits on the filesystem's journal (on a disk mounted
-            # with online discard, behind every fsync of a database beside it), and on the loop it held
-            # up every other attempt's reports and starts (a third of a busy agent's loop time, issue 17).
-            # The end is already queued: its report goes out meanwhile.
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(shutil.rmtree, workdir)
+            # kept for the next attempt if it is empty, else removed in a worker thread (agent/workdirs.py);
+            # the end is already queued: its report goes out meanwhile
+            await self.workdirs.release(workdir)
             if backend is not None and backend.proves_release:
                 await self._release(a, backend, handle, run_spec)
 

@@ -156,6 +156,7 @@ class Backend(abc.ABC):
     # hear of; the sandbox outlives its command, so its capacity is freed only by a release proof.
     holds_artifacts: bool = False
     proves_release: bool = False
+    uses_workdir: bool = False  # its attempts run in the node's working directory made for them
 
     @abc.abstractmethod
     def run_spec(

@@ -52,6 +52,7 @@ class _State:
 
 class ProcessBackend(Backend):
     kind = KIND
+    uses_workdir = True  # the attempt's cwd and HOME, made by the agent (agent/workdirs.py)
 
     def run_spec(
         self, attempt: RunSpec, spec: Mapping[str, Any], ids: Mapping[str, str], secret_env: Mapping[str, str],
