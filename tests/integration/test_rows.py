@@ -28,7 +28,7 @@ QUERIES: dict[str, tuple[type[R.Row], set[str]]] = {
     "claim_queued": (R.ClaimedTaskRow, set()),
     "claim_unresolved": (R.UnresolvedRow, set()),
     "tasks_on_node": (R.NodeTaskRow, set()),
-    "lock_task_facts": (R.TaskFactsRow, {"nodes_locked"}),
+    "lock_task_facts": (R.TaskFactsRow, set()),
     "handover_due": (R.TaskFactsRow, set()),
     "drain_overdue": (R.TaskFactsRow, set()),
     "watch_overdue_accept": (R.TaskFactsRow, set()),

@@ -229,9 +229,9 @@ async def test_a_group_commit_makes_several_changes_of_one_task_in_order(store: 
 
 
 async def test_a_decided_group_commit_reads_under_the_locks_it_writes_under(store: Store) -> None:
-    """transition_decided: the tasks and their nodes are locked by the statement that reads the
-    tasks, so a change elsewhere either commits before the read (and is what `decide` sees) or waits
-    for the commit; `decide` may change only tasks it was given."""
+    """transition_decided: the tasks are locked by the statement that reads them, so a change elsewhere
+    either commits before the read (and is what `decide` sees) or waits for the commit; their nodes
+    are locked only for an end, after the decisions; `decide` may change only tasks it was given."""
     import asyncio
 
     import asyncpg
@@ -264,14 +264,15 @@ async def test_a_decided_group_commit_reads_under_the_locks_it_writes_under(stor
         changes, results = await pending
     assert seen == ["cancelling"] and changes == [] and results == []
 
-    # while the read's transaction is open, the task and its node are locked against other writers
+    # while the read's transaction is open, the task is locked against other writers and its node is
+    # not (a heartbeat flush or a placement waiting for it would wait for the decisions)
     async with store.pool.acquire() as mine, mine.transaction():
-        await mine.fetch(store.q["lock_task_facts"], [b])
+        assert [r["id"] for r in await mine.fetch(store.q["lock_task_facts"], [b])] == [b]
         async with store.pool.acquire() as other:
-            for sql, key in (("SELECT 1 FROM tasks WHERE id = $1 FOR NO KEY UPDATE NOWAIT", b),
-                             ("SELECT 1 FROM nodes WHERE id = $1 FOR NO KEY UPDATE NOWAIT", "n1")):  # fmt: skip
-                with pytest.raises(asyncpg.LockNotAvailableError):
-                    await other.execute(sql, key)
+            with pytest.raises(asyncpg.LockNotAvailableError):
+                await other.execute("SELECT 1 FROM tasks WHERE id = $1 FOR NO KEY UPDATE NOWAIT", b)
+            async with other.transaction():
+                await other.execute("SELECT 1 FROM nodes WHERE id = $1 FOR NO KEY UPDATE NOWAIT", "n1")
 
     def stray(rows: Any) -> list[Change]:
         return [Change(a, S.CANCELLING, S.CANCELLED, actor="x", end_attempt=AttemptState.STOPPED)]

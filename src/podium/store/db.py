@@ -608,12 +608,14 @@ class Store:
     async def transition_decided(
         self, task_ids: Sequence[uuid.UUID], decide: Callable[[Mapping[uuid.UUID, TaskFactsRow]], Sequence[Change]]
     ) -> tuple[list[Change], list[Transition | None]]:
-        """Lock these tasks and their nodes and read the tasks (one statement), let `decide` turn what
-        it read into changes, and make them as `transition_many` does — one transaction, one commit.
-        What a change is decided on cannot move before it is made (the rows stay locked), so a change
-        is refused only for what it checks itself (its token, its node). `decide` runs again, on a
-        fresh read, when the transaction is retried: it must only compute. Returns the changes of the
-        last `decide` and each one's answer. A task absent from the database is absent from the read."""
+        """Lock these tasks and read them (one statement), let `decide` turn what it read into
+        changes, and make them as `transition_many` does — one transaction, one commit. What a change
+        is decided on cannot move before it is made (the rows stay locked), so a change is refused
+        only for what it checks itself (its token, its node). The nodes of the changes that end
+        attempts (the only ones that write a node: its capacity) are locked after `decide`, in id
+        order, so nothing waiting for a node waits for the decisions. `decide` runs again, on a fresh
+        read, when the transaction is retried: it must only compute. Returns the changes of the last
+        `decide` and each one's answer. A task absent from the database is absent from the read."""
         async with self._conn() as conn, conn.transaction():
             read = TaskFactsRow.many(await conn.fetch(self.q["lock_task_facts"], list(task_ids)))
             changes = list(decide({r.id: r for r in read}))
@@ -622,16 +624,23 @@ class Store:
             rows = [c.row() for c in changes]
             if stray := {c.task_id for c in changes} - {r.id for r in read}:
                 raise ValueError(f"changes to tasks that were not read and locked: {sorted(map(str, stray))}")
-            return changes, await self._made_in_layers(conn, changes, rows)
+            return changes, await self._made_in_layers(conn, changes, rows, lock_nodes=True)
 
     async def _made_in_layers(
-        self, conn: asyncpg.Connection, changes: Sequence[Change], rows: Sequence[tuple[Any, ...]]
+        self,
+        conn: asyncpg.Connection,
+        changes: Sequence[Change],
+        rows: Sequence[tuple[Any, ...]],
+        *,
+        lock_nodes: bool = False,
     ) -> list[Transition | None]:
         """Make `changes` (their `Change.row`s given) on a connection whose transaction holds their
-        tasks' and nodes' locks: one statement per layer — the first change of every task, then the
-        second of those whose first was made, … (a node's `running` and its end, read in one batch) —
-        each from the state the one before it left. A later change of a task whose earlier one was
-        refused is not tried (None)."""
+        tasks' locks: one statement per layer — the first change of every task, then the second of
+        those whose first was made, … (a node's `running` and its end, read in one batch) — each from
+        the state the one before it left. A later change of a task whose earlier one was refused is
+        not tried (None). With `lock_nodes`, the nodes of the changes that end attempts are locked, in
+        id order, just before the first layer that holds one (a `running` layer is written before
+        them): the caller holds the nodes' locks already otherwise."""
         layers: list[list[int]] = []  # indexes into `changes`, one layer per rank of a task's changes
         rank: dict[uuid.UUID, int] = {}
         for i, c in enumerate(changes):
@@ -646,6 +655,9 @@ class Store:
             todo = [i for i in layer if changes[i].task_id in made]
             if not todo:
                 break
+            if lock_nodes and any(changes[i].end_attempt is not None for i in todo):
+                lock_nodes = False  # every ending change's node at once, in one ordered statement
+                await conn.execute(self.q["lock_nodes_of_tasks"], [c.task_id for c in changes if c.end_attempt is not None])
             done = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], *_columns([rows[i] for i in todo]))}
             made = set()
             for i in todo:

@@ -316,23 +316,15 @@ WHERE fencing_token = ANY($1::bigint[]) AND node_id = $2
 SELECT * FROM tasks WHERE id = $1
 
 -- lock_task_facts --
--- A group commit of node reports reads what it decides on under the locks it writes under, in one
--- statement: its tasks locked in id order and read (a row changed meanwhile is read as committed),
--- then their nodes locked in id order — the order a single change and placement take them in. The
--- nodes are locked by the scalar subquery the first output row needs; its ARRAY(...) reads all of
--- `t` first, so every task is locked before any node.
-WITH t AS MATERIALIZED (
-    SELECT id, state, fencing_token, node_id, attempts, max_attempts, requeue_on_node_loss, timeout_seconds,
-           cancel_reason
-    FROM tasks WHERE id = ANY($1::uuid[])
-    ORDER BY id
-    FOR NO KEY UPDATE
-), n AS MATERIALIZED (
-    SELECT id FROM nodes WHERE id = ANY(ARRAY(SELECT node_id FROM t WHERE node_id IS NOT NULL))
-    ORDER BY id
-    FOR NO KEY UPDATE
-)
-SELECT t.*, (SELECT count(*) FROM n) AS nodes_locked FROM t
+-- A group commit of node reports reads what it decides on under the lock it writes under: its tasks
+-- locked in id order (the order a single change and placement take them in) and read; a row changed
+-- meanwhile is read as committed. Their nodes are locked later, just before the write and only for
+-- the changes that free capacity (`Store.transition_decided`), so a heartbeat flush or a placement
+-- waiting for a node never waits while the batch is being decided.
+SELECT id, state, fencing_token, node_id, attempts, max_attempts, requeue_on_node_loss, timeout_seconds, cancel_reason
+FROM tasks WHERE id = ANY($1::uuid[])
+ORDER BY id
+FOR NO KEY UPDATE
 
 -- assigned_in_flight --
 -- Assignments not yet accepted by their node, counted up to $1: the dispatcher's window.
