@@ -73,6 +73,8 @@ class ProcessRun:
         return None if self.proc is None else self.proc.pid
 
     async def start(self) -> None:
+        # the agent has made it already (agent/workdirs.py, before Accepted): for it this only finds it
+        # there, which allocates nothing; a caller that starts a run on its own gets it made here
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.proc = await asyncio.create_subprocess_exec(
             *self.command,
