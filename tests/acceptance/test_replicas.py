@@ -344,9 +344,9 @@ def test_three_replicas_twenty_agents(cluster: Cluster) -> None:
 
 # ---- pausing a replica between its read and its write ---------------------------------------------
 
-# The dispatch transaction reads (claim_queued, then placement_nodes) and then writes (reserve_capacity,
-# assign_tasks). A backend left 'idle in transaction' after one of those reads is a replica stopped
-# between its read and its write.
+# The dispatch transaction reads (placement_nodes_changed, then claim_queued) and then writes (lock_nodes,
+# then assign_tasks with its reservations). A backend left 'idle in transaction' after one of those
+# reads is a replica stopped between its read and its write.
 READS = ("SKIP LOCKED", "gpus_in_use")
 
 

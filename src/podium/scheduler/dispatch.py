@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable, Collection
 from typing import Any
@@ -214,17 +215,15 @@ class Dispatcher:
         if self.reports_behind() > self.timing.provisioning_deadline * HOLD_SHARE:
             metrics.DISPATCH_HELD.inc()
             return DispatchOutcome(window_full=True)  # looked at again soon, like a full window
-        in_flight = await self.store.assigned_in_flight(self.timing.assign_window)
-        limit = min(self.timing.claim_limit, self.timing.assign_window - in_flight)
-        if limit <= 0:
+        started = time.perf_counter()
+        outcome = await self._dispatch()
+        if outcome.window_full:
             metrics.DISPATCH_WINDOW_FULL.inc()
-            return DispatchOutcome(window_full=True)
-        with metrics.DISPATCH_SECONDS.time():
-            outcome = await self._dispatch(limit)
+            return outcome
+        metrics.DISPATCH_SECONDS.observe(time.perf_counter() - started)
         metrics.PLACEMENTS.inc(len(outcome.assigned))
         metrics.DISPATCH_CLAIMED.inc(outcome.claimed)
         metrics.DISPATCH_REASONS_WRITTEN.inc(outcome.reasons_written)
-        outcome.limit = limit
         return outcome
 
     def requirements_of(self, t: ClaimedTaskRow) -> Requirements:
@@ -244,7 +243,7 @@ class Dispatcher:
     def plan(self, *, whole_window: bool) -> DispatchPass:
         return DispatchPass(self, whole_window=whole_window)
 
-    async def _dispatch(self, limit: int) -> DispatchOutcome:
+    async def _dispatch(self) -> DispatchOutcome:
         now = asyncio.get_running_loop().time()
         if now - self._nodes_read_all_at > FULL_NODE_READ_EVERY:
             self._horizon = None  # read every node again now and then: cheap insurance
@@ -252,7 +251,8 @@ class Dispatcher:
         # reason (a new one says only that it waits for the scheduler; a requeued one, why it was).
         whole = now - self._window_looked_at >= self.timing.tick
         outcome = await self.store.dispatch(
-            claim_limit=limit,
+            claim_limit=self.timing.claim_limit,
+            assign_window=self.timing.assign_window,
             accept_seconds=self.timing.provisioning_deadline,
             lease_seconds=self.timing.lease_ttl,
             plan=self.plan(whole_window=whole),
@@ -263,7 +263,7 @@ class Dispatcher:
         )
         if outcome.delivered:
             self.push(outcome.delivered)
-        if whole and not outcome.lost_races:
+        if whole and not outcome.window_full and not outcome.lost_races:
             self._window_looked_at = now
         return outcome
 

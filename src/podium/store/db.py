@@ -667,10 +667,6 @@ class Store:
                     made.add(changes[i].task_id)
         return out
 
-    async def assigned_in_flight(self, up_to: int) -> int:
-        async with self._conn() as conn:
-            return int(await conn.fetchval(self.q["assigned_in_flight"], up_to))
-
     async def get_task(self, task_id: uuid.UUID) -> TaskRow:
         async with self._conn() as conn:
             row = await conn.fetchrow(self.q["get_task"], task_id)
@@ -800,6 +796,7 @@ class Store:
         lease_seconds: float,
         plan: DispatchPlan,
         actor: str,
+        assign_window: int | None = None,
         nodes_since: int | None = None,
         reconcile_seconds: float = 30.0,
         deliver_here: Collection[str] = (),
@@ -807,6 +804,9 @@ class Store:
         """Claim up to `claim_limit` queued tasks, as many as `plan` wants, let it place them, and make
         the result durable in one transaction: reservations, attempts, fencing tokens, leases, events,
         reasons, notifies.
+
+        With an `assign_window`, at most that many assignments may wait for their node's acceptance:
+        the claim is cut to the room left in it, and a full window claims nothing (`window_full`).
 
         `deliver_here` are the nodes whose streams the caller holds: their attempts are marked delivered
         in the same statement and returned as `DispatchOutcome.delivered` for the caller to push at
@@ -816,23 +816,28 @@ class Store:
         row placement may read, connected or not; all of them when it is None) and the horizon to
         pass as `nodes_since` next time. The claim then goes in chunks, in claim order (priority, then
         age), for as long as `plan.want` asks: a pass that can place only a few tasks locks only a few
-        rows instead of the backlog's whole head."""
+        rows instead of the backlog's whole head.
+
+        A pass is seven round trips when it places anything (the window, horizon and operations in
+        one read, BEGIN, the changed nodes, a claim per chunk, the nodes' locks, the reservations and
+        assignments in one write, COMMIT): on an idle fleet a task's way to its node is mostly these."""
         out = DispatchOutcome()
         try:
             return await self._dispatch(
-                out, claim_limit, accept_seconds, lease_seconds, plan, actor, nodes_since, reconcile_seconds,
-                sorted(deliver_here),
+                out, claim_limit, assign_window, accept_seconds, lease_seconds, plan, actor, nodes_since,
+                reconcile_seconds, sorted(deliver_here),
             )
         except asyncpg.UniqueViolationError:
             # another scheduler handed out one of the same GPU indexes first: nothing of this batch
             # was written; the next tick places it again on fresh state
             log.info("dispatch batch lost a GPU race to another scheduler; retrying")
-            return DispatchOutcome(claimed=out.claimed, lost_races=out.claimed)
+            return DispatchOutcome(claimed=out.claimed, lost_races=out.claimed, limit=out.limit)
 
     async def _dispatch(
         self,
         out: DispatchOutcome,
         claim_limit: int,
+        assign_window: int | None,
         accept_seconds: float,
         lease_seconds: float,
         plan: DispatchPlan,
@@ -841,78 +846,97 @@ class Store:
         reconcile_seconds: float,
         deliver_here: list[str],
     ) -> DispatchOutcome:
-        async with self._conn() as conn, conn.transaction():
-            # the horizon first: whatever commits after it is read again next time
-            horizon = await conn.fetchval(self.q["snapshot_horizon"])
-            nodes = NodeRow.many(await conn.fetch(self.q["placement_nodes_changed"], nodes_since))
-            operations = {r["node_id"]: r["n"] for r in await conn.fetch(self.q["operations_in_flight"])}
-            plan.begin(nodes, horizon, operations)
-            claimed: list[uuid.UUID] = []
-            placements: list[PlacementDecision] = []
-            unplaced: dict[uuid.UUID, str] = {}
-            want = min(plan.want(0, claim_limit), claim_limit)
-            while want > 0:
-                # rows this transaction locked already are not skipped by SKIP LOCKED: name them
-                tasks = ClaimedTaskRow.many(await conn.fetch(self.q["claim_queued"], want, claimed))
-                claimed.extend(t.id for t in tasks)
-                placed, waiting = plan.place(tasks)
-                placements.extend(placed)
-                unplaced.update(waiting)
-                if len(tasks) < want:
-                    break  # nothing more is queued that this pass may claim
-                want = min(plan.want(len(claimed), claim_limit), claim_limit - len(claimed))
-            out.claimed = len(claimed)
-            out.unplaced = unplaced
-            if placements:
-                per_node: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
-                for p in placements:
-                    acc = per_node[p.node_id]
-                    acc[0] += p.cpu_millis
-                    acc[1] += p.memory_bytes
-                    acc[2] += p.disk_bytes
-                    acc[3] += p.gpus
-                    acc[4] += 1
-                ids = sorted(per_node)
-                await conn.execute(self.q["lock_nodes"], ids)
-                got = await conn.fetch(
-                    self.q["reserve_capacity"],
-                    ids,
-                    [per_node[i][0] for i in ids],
-                    [per_node[i][1] for i in ids],
-                    [per_node[i][2] for i in ids],
-                    [per_node[i][3] for i in ids],
-                    [per_node[i][4] for i in ids],
+        async with self._conn() as conn:
+            # the horizon first (whatever commits after it is read again next time), in one read
+            # with the window and the operations
+            facts = await conn.fetchrow(self.q["dispatch_facts"], assign_window or 0)
+            assert facts is not None
+            out.limit = claim_limit
+            if assign_window is not None:
+                out.limit = min(claim_limit, assign_window - facts["in_flight"])
+                if out.limit <= 0:
+                    out.window_full = True
+                    return out
+            async with conn.transaction():
+                nodes = NodeRow.many(await conn.fetch(self.q["placement_nodes_changed"], nodes_since))
+                plan.begin(nodes, facts["horizon"], dict(zip(facts["operation_nodes"], facts["operations"], strict=True)))
+                return await self._claim_and_assign(
+                    conn, out, accept_seconds, lease_seconds, plan, actor, reconcile_seconds, deliver_here
                 )
-                reserved = {r["id"] for r in got}
-                kept = [p for p in placements if p.node_id in reserved]
-                out.lost_races = len(placements) - len(kept)
-                if kept:
-                    rows = await conn.fetch(
-                        self.q["assign_tasks"],
-                        [p.task_id for p in kept],
-                        [p.node_id for p in kept],
-                        [",".join(map(str, p.gpu_indexes)) for p in kept],
-                        accept_seconds,
-                        lease_seconds,
-                        actor,
-                        [p.snapshot for p in kept],
-                        reconcile_seconds,
-                        deliver_here,
-                    )
-                    out.assigned = [(r["id"], r["node_id"], r["fencing_token"]) for r in rows]
-                    # claimed under FOR UPDATE, so every kept task must still have been queued
-                    assert len(rows) == len(kept), "a claimed task changed state under its row lock"
-                    out.delivered = sorted(
-                        (OutboxRow("assign", r["node_id"], r["id"], r["fencing_token"], r["attempt"], list(r["gpu_indexes"]),
-                                   r["spec"]) for r in rows if r["here"]),
-                        key=lambda o: (o.node_id, o.fencing_token),
-                    )  # fmt: skip
-                    elsewhere = sorted({r["node_id"] for r in rows if not r["here"]})
-                    if elsewhere:
-                        await conn.execute(self.q["notify_nodes"], elsewhere)
-            if unplaced:
-                status = await conn.execute(self.q["set_queued_reasons"], list(unplaced), list(unplaced.values()))
-                out.reasons_written = int(status.rsplit(" ", 1)[-1])
+
+    async def _claim_and_assign(
+        self,
+        conn: _Conn,
+        out: DispatchOutcome,
+        accept_seconds: float,
+        lease_seconds: float,
+        plan: DispatchPlan,
+        actor: str,
+        reconcile_seconds: float,
+        deliver_here: list[str],
+    ) -> DispatchOutcome:
+        claim_limit = out.limit
+        claimed: list[uuid.UUID] = []
+        placements: list[PlacementDecision] = []
+        unplaced: dict[uuid.UUID, str] = {}
+        want = min(plan.want(0, claim_limit), claim_limit)
+        while want > 0:
+            # rows this transaction locked already are not skipped by SKIP LOCKED: name them
+            tasks = ClaimedTaskRow.many(await conn.fetch(self.q["claim_queued"], want, claimed))
+            claimed.extend(t.id for t in tasks)
+            placed, waiting = plan.place(tasks)
+            placements.extend(placed)
+            unplaced.update(waiting)
+            if len(tasks) < want:
+                break  # nothing more is queued that this pass may claim
+            want = min(plan.want(len(claimed), claim_limit), claim_limit - len(claimed))
+        out.claimed = len(claimed)
+        out.unplaced = unplaced
+        if placements:
+            per_node: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+            for p in placements:
+                acc = per_node[p.node_id]
+                acc[0] += p.cpu_millis
+                acc[1] += p.memory_bytes
+                acc[2] += p.disk_bytes
+                acc[3] += p.gpus
+                acc[4] += 1
+            ids = sorted(per_node)
+            # its own statement: the assignment's snapshot must begin after these locks are held
+            await conn.execute(self.q["lock_nodes"], ids)
+            got = await conn.fetch(
+                self.q["assign_tasks"],
+                [p.task_id for p in placements],
+                [p.node_id for p in placements],
+                [",".join(map(str, p.gpu_indexes)) for p in placements],
+                accept_seconds,
+                lease_seconds,
+                actor,
+                [p.snapshot for p in placements],
+                reconcile_seconds,
+                deliver_here,
+                ids,
+                *([per_node[i][k] for i in ids] for k in range(5)),
+            )
+            reserved = {r["reserved"] for r in got}
+            rows = [r for r in got if r["id"] is not None]
+            kept = sum(1 for p in placements if p.node_id in reserved)
+            # claimed under FOR UPDATE, so every task placed on a reserved node must still have been
+            # queued (raising here rolls the reservations back with everything else)
+            assert len(rows) == kept, "a claimed task changed state under its row lock"
+            out.lost_races = len(placements) - kept
+            out.assigned = [(r["id"], r["node_id"], r["fencing_token"]) for r in rows]
+            out.delivered = sorted(
+                (OutboxRow("assign", r["node_id"], r["id"], r["fencing_token"], r["attempt"], list(r["gpu_indexes"]),
+                           r["spec"]) for r in rows if r["here"]),
+                key=lambda o: (o.node_id, o.fencing_token),
+            )  # fmt: skip
+            elsewhere = sorted({r["node_id"] for r in rows if not r["here"]})
+            if elsewhere:
+                await conn.execute(self.q["notify_nodes"], elsewhere)
+        if unplaced:
+            status = await conn.execute(self.q["set_queued_reasons"], list(unplaced), list(unplaced.values()))
+            out.reasons_written = int(status.rsplit(" ", 1)[-1])
         return out
 
     # ---- nodes ----------------------------------------------------------------------------------

@@ -154,10 +154,6 @@ SELECT n.*, ARRAY(SELECT g.gpu_index FROM gpu_claims g WHERE g.node_id = n.id) A
 FROM nodes n
 WHERE $1::xid8 IS NULL OR n.changed_xid >= $1::xid8
 
--- snapshot_horizon --
--- Every transaction below this had ended when this statement's snapshot was taken.
-SELECT pg_snapshot_xmin(pg_current_snapshot())
-
 -- list_nodes --
 SELECT *, podium_drain_phase(id, draining) AS drain_phase FROM nodes ORDER BY name, id
 

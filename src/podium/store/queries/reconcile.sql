@@ -52,10 +52,14 @@ WHERE n.id = $1
 RETURNING old.materializations AS before
 
 -- operations_in_flight --
--- Capacity operations: per node, the attempts that hold one now (assigned or provisioning, not ended).
-SELECT node_id, count(*)::int AS n FROM attempts
-WHERE finished_at IS NULL AND state IN ('assigned', 'provisioning')
-GROUP BY node_id
+SELECT node_id, n FROM {{operations: attempts}}
+
+-- _operations --
+-- A fragment: `{{operations: attempts}}` is the capacity operations per node (node_id, n), the
+-- attempts that hold one now (assigned or provisioning, not ended).
+(SELECT node_id, count(*)::int AS n FROM __ROWS__
+ WHERE finished_at IS NULL AND state IN ('assigned', 'provisioning')
+ GROUP BY node_id) operations
 
 -- runtime_changed --
 -- A node's runtime changed for some backends ($2): its live attempts on them are due for a check

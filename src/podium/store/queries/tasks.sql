@@ -164,41 +164,47 @@ ORDER BY t.priority DESC, t.created_at, t.id
 LIMIT $1
 FOR UPDATE OF t SKIP LOCKED
 
--- reserve_capacity --
--- Take capacity on each node for a batch of placements; a node that no longer has room (another
--- scheduler got there first) is simply not returned, and its tasks stay queued for the next tick.
-UPDATE nodes n SET
-    res_cpu_millis = n.res_cpu_millis + d.cpu,
-    res_memory_bytes = n.res_memory_bytes + d.mem,
-    res_disk_bytes = n.res_disk_bytes + d.disk,
-    res_gpus = n.res_gpus + d.gpus,
-    res_slots = n.res_slots + d.slots
-FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::int[], $6::int[])
-     AS d(id, cpu, mem, disk, gpus, slots)
-WHERE n.id = d.id
-  AND n.connected AND n.health = 'online' AND NOT n.draining AND n.revoked_at IS NULL
-  -- capacity operations: every placement is one provisioning operation until its attempt runs;
-  -- counted from the attempts under the node's row lock (lock_nodes), so no two schedulers exceed it
-  AND (SELECT count(*) FROM attempts a WHERE a.node_id = n.id AND a.finished_at IS NULL
-         AND a.state IN ('assigned', 'provisioning')) + d.slots <= n.max_operations
-  AND n.res_cpu_millis + d.cpu <= n.alloc_cpu_millis
-  AND n.res_memory_bytes + d.mem <= n.alloc_memory_bytes
-  AND n.res_disk_bytes + d.disk <= n.alloc_disk_bytes
-  AND n.res_gpus + d.gpus <= n.alloc_gpus
-  AND n.res_slots + d.slots <= n.alloc_slots
-RETURNING n.id
-
 -- assign_tasks --
--- The batched form of transition_task(queued → assigned): one attempt, one new fencing token, a lease
--- and an accept deadline per task, and an event, all in one statement. The attempt records what it
--- was decided on: the node as placement saw it ($7, with the node's materializations as they are
--- now), and its retry count and limit; its first reconcile is due $8 seconds from now.
--- $9 are the nodes whose streams the dispatching server holds: their attempts are marked delivered
--- here and come back with what the Assign carries (attempt, GPU indexes, pinned spec), pushed by that
--- server as soon as this commits, with no outbox take; a push that then fails is repaired as a take's
--- is (the node's next Hello redelivers). Every other node is told by NOTIFY podium_node.
-WITH d AS (
+-- A dispatch pass's whole write, one statement: the reservation on each node, then the batched form
+-- of transition_task(queued → assigned) for the placements on the nodes that had room.
+--
+-- The reservation ($10–$15, one row per node) takes capacity only where the node still has it: a node
+-- another scheduler filled first is simply not reserved, and its tasks stay queued for the next pass.
+-- Its rows were locked (lock_nodes) before this statement began, so its snapshot holds every attempt
+-- the schedulers that held them committed: the capacity operations (every placement is one until its
+-- attempt runs) are counted from those, and no two schedulers exceed a node's `max_operations`.
+--
+-- Each assignment is one attempt, one new fencing token, a lease and an accept deadline, and an
+-- event. The attempt records what it was decided on: the node as placement saw it ($7, with the
+-- node's materializations as they are now), and its retry count and limit; its first reconcile is due
+-- $8 seconds from now. $9 are the nodes whose streams the dispatching server holds: their attempts are
+-- marked delivered here and come back with what the Assign carries (attempt, GPU indexes, pinned
+-- spec), pushed by that server as soon as this commits, with no outbox take; a push that then fails is
+-- repaired as a take's is (the node's next Hello redelivers). Every other node is told by NOTIFY
+-- podium_node. One row per assignment, and one with no task for a node reserved for none (a claimed
+-- task that was no longer queued: the caller refuses the whole write).
+WITH r AS (
+    UPDATE nodes n SET
+        res_cpu_millis = n.res_cpu_millis + c.cpu,
+        res_memory_bytes = n.res_memory_bytes + c.mem,
+        res_disk_bytes = n.res_disk_bytes + c.disk,
+        res_gpus = n.res_gpus + c.gpus,
+        res_slots = n.res_slots + c.slots
+    FROM unnest($10::text[], $11::bigint[], $12::bigint[], $13::bigint[], $14::int[], $15::int[])
+         AS c(id, cpu, mem, disk, gpus, slots)
+    WHERE n.id = c.id
+      AND n.connected AND n.health = 'online' AND NOT n.draining AND n.revoked_at IS NULL
+      AND (SELECT count(*) FROM attempts a WHERE a.node_id = n.id AND a.finished_at IS NULL
+             AND a.state IN ('assigned', 'provisioning')) + c.slots <= n.max_operations
+      AND n.res_cpu_millis + c.cpu <= n.alloc_cpu_millis
+      AND n.res_memory_bytes + c.mem <= n.alloc_memory_bytes
+      AND n.res_disk_bytes + c.disk <= n.alloc_disk_bytes
+      AND n.res_gpus + c.gpus <= n.alloc_gpus
+      AND n.res_slots + c.slots <= n.alloc_slots
+    RETURNING n.id
+), d AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $7::jsonb[]) AS d(id, node_id, gpu_indexes, snapshot)
+    WHERE d.node_id IN (SELECT id FROM r)
 ), t AS (
     UPDATE tasks SET
         state = 'assigned', reason = NULL, node_id = d.node_id, revision = tasks.revision + 1,
@@ -235,9 +241,9 @@ WITH d AS (
     INSERT INTO task_events (task_id, from_state, to_state, reason, actor, fencing_token)
     SELECT id, 'queued', 'assigned', NULL, $6, fencing_token FROM t
 )
-SELECT t.id, t.node_id, t.fencing_token, t.here, t.attempts AS attempt, t.gpus_given AS gpu_indexes,
+SELECT r.id AS reserved, t.id, t.node_id, t.fencing_token, t.here, t.attempts AS attempt, t.gpus_given AS gpu_indexes,
        CASE WHEN t.here THEN {{pinned_spec: t}} END AS spec
-FROM t
+FROM r LEFT JOIN t ON t.node_id = r.id
 
 -- set_queued_reasons --
 -- (a placement reason has no words beside it: any left from an earlier end go with the old reason)
@@ -326,9 +332,15 @@ FROM tasks WHERE id = ANY($1::uuid[])
 ORDER BY id
 FOR NO KEY UPDATE
 
--- assigned_in_flight --
--- Assignments not yet accepted by their node, counted up to $1: the dispatcher's window.
-SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state = 'assigned' LIMIT $1) x
+-- dispatch_facts --
+-- What a dispatch pass reads before it claims, in one round trip: the snapshot horizon (every
+-- transaction below it had ended when this statement began: node rows changed at or after it are read
+-- again next pass), the assignments not yet accepted by their node counted up to $1 (the window), and
+-- each node's capacity operations now.
+SELECT pg_snapshot_xmin(pg_current_snapshot()) AS horizon,
+       (SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state = 'assigned' LIMIT $1) x)::int AS in_flight,
+       COALESCE(o.nodes, '{}') AS operation_nodes, COALESCE(o.counts, '{}') AS operations
+FROM (SELECT array_agg(node_id) AS nodes, array_agg(n) AS counts FROM {{operations: attempts}}) o
 
 -- task_attempts --
 SELECT * FROM attempts WHERE task_id = $1 ORDER BY attempt
