@@ -11,6 +11,7 @@ registry.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -183,6 +184,23 @@ async def test_one_question_per_image_and_a_digest_needs_none(store: Store) -> N
     assert len(out.assigned) == 4
     assert sorted(s["image"] for s in await assign_sent(store, "n1")) == sorted(
         ["busybox@" + D2] + ["localhost:5000/team/app@" + D1] * 3)
+
+
+async def test_only_a_submit_with_a_tag_to_resolve_wakes_the_resolver(store: Store) -> None:
+    """The resolver loop listens on a channel of its own: a process task's submit says nothing to it
+    (once every submit woke it, for a query that found nothing, in the way of every placement)."""
+    sub = await store.listen("podium_resolve")
+    try:
+        await store.submit(TaskSpec(command=["true"]))
+        # one listener hears its notifications in commit order: the sentinel comes first only if the
+        # process task's submit sent none
+        async with store.pool.acquire() as conn:
+            await conn.execute("SELECT pg_notify('podium_resolve', 'sentinel')")
+        assert (await asyncio.wait_for(sub.get(), 30)).payload == "sentinel"
+        await submit(store)
+        assert (await asyncio.wait_for(sub.get(), 30)).payload == ""
+    finally:
+        await sub.close()
 
 
 async def test_a_cancel_while_resolving_wins_and_a_claimed_task_is_not_claimed_twice(store: Store) -> None:

@@ -107,11 +107,11 @@ class ImageResolver:
         self.timing = timing
         self.resolve = resolve
         self.actor = f"resolver:{server_id}"
-        self.woken = WokenLoop("resolver", store, "podium_dispatch", timing.tick, self._pass)
+        self.woken = WokenLoop("resolver", store, "podium_resolve", timing.tick, self._pass)
 
     def tasks(self) -> dict[str, Callable[[], Awaitable[None]]]:
-        """The named loop the server supervises: woken by a submission (NOTIFY podium_dispatch), and
-        every tick for the retries coming due."""
+        """The named loop the server supervises: woken by a submission with a tag to resolve (NOTIFY
+        podium_resolve), and every tick for the retries coming due."""
         return {"scheduler.resolver": self.woken.run}
 
     async def close(self) -> None:

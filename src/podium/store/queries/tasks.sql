@@ -3,8 +3,10 @@
 
 -- insert_tasks --
 -- Submissions (one, or a batch) in one statement: each task, its first event and its audit entry,
--- and one NOTIFY. ON CONFLICT on the idempotency key makes a retried submit return no row for it;
--- the caller then reads the task the first submit created.
+-- one NOTIFY for dispatch, and one for the resolver loop only if a task has an image tag to resolve
+-- (every other wake-up of it would be a query that finds nothing, on the way of every submit's
+-- placement). ON CONFLICT on the idempotency key makes a retried submit return no row for it; the
+-- caller then reads the task the first submit created.
 WITH d AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int[], $5::bigint[], $6::bigint[], $7::bigint[],
                          $8::int[], $9::float8[], $10::int[], $11::bool[], $12::text[], $15::text[], $16::int[])
@@ -26,8 +28,10 @@ WITH d AS (
     SELECT $14, 'task.submit', id::text, jsonb_build_object('name', name) FROM t
 ), n AS (
     SELECT pg_notify('podium_dispatch', '') FROM t LIMIT 1
+), r AS (
+    SELECT pg_notify('podium_resolve', '') FROM t WHERE t.image IS NOT NULL AND t.image_digest IS NULL LIMIT 1
 )
-SELECT t.*, (SELECT count(*) FROM n) AS notified FROM t
+SELECT t.*, (SELECT count(*) FROM n) + (SELECT count(*) FROM r) AS notified FROM t
 
 -- tasks_by_idempotency_keys --
 SELECT * FROM tasks WHERE idempotency_key = ANY($1::text[])
