@@ -10,6 +10,7 @@ from typing import Any
 import asyncpg
 
 from podium.api.events import EventHub, Filters, cursor_of_row
+from podium.spec import TaskSpec
 from podium.store import Store
 from podium.store.ui import UiStore
 from tests.integration.helpers import add_node, submit
@@ -111,3 +112,24 @@ async def _collect(stream: Any, into: list[Any]) -> None:
     async for r in stream:
         if r is not None:
             into.append(r)
+
+
+async def test_a_client_is_given_what_one_read_found_in_one_batch(store: Store) -> None:
+    """Five submits in one transaction are one read of the hub's, and one batch to each client: its
+    stream writes them at once (one write per event cost a busy server more than the events)."""
+    ui = UiStore(store)
+    hub = EventHub(store, ui)
+    try:
+        await hub.ensure_started()
+        batches = hub.follow_batches(None, Filters(None, None, None, {"task"}).match, {})
+        first = asyncio.ensure_future(batches.__anext__())
+        while hub.clients < 1:  # the client has taken its place at the hub's head
+            await asyncio.sleep(0.01)
+        rows = await store.submit_many([(TaskSpec(command=["true"]), None)] * 5, actor="test")
+        batch = await asyncio.wait_for(first, 30)
+        assert batch is not None
+        assert sorted(r.task_id for r in batch) == sorted(r.id for r, _created in rows)
+        assert {(r.from_state, r.state) for r in batch} == {(None, "queued")}
+        await batches.aclose()
+    finally:
+        hub.close()

@@ -249,6 +249,19 @@ class EventHub:
         self, cursor: Cursor | None, match: Callable[[Any], bool], db_filters: dict[str, Any]
     ) -> AsyncIterator[Any | None]:
         """Events after `cursor` (None: from now on) that `match`, forever; None is a keep-alive."""
+        async for batch in self.follow_batches(cursor, match, db_filters):
+            if batch is None:
+                yield None
+            for r in batch or ():
+                yield r
+
+    async def follow_batches(
+        self, cursor: Cursor | None, match: Callable[[Any], bool], db_filters: dict[str, Any]
+    ) -> AsyncIterator[list[Any] | None]:
+        """`follow`'s events in the batches they become known in (what one read of the hub's memory or
+        of the database found, PAGE at most), never an empty one: a stream writes each batch at once.
+        One write per event cost a busy server more than the events themselves (every write goes
+        through the ASGI stack and the HTTP connection's state machine)."""
         await self.ensure_started()
         assert self.head is not None
         if cursor is None:
@@ -261,9 +274,10 @@ class EventHub:
                     rows = self.after(cursor)
                     if rows:
                         cursor = cursor_of_row(rows[-1], cursor.floor)
-                        for r in rows:
-                            if r.id > cursor.floor and match(r):
-                                yield r
+                        floor = cursor.floor
+                        batch = [r for r in rows if r.id > floor and match(r)]
+                        for i in range(0, len(batch), PAGE):
+                            yield batch[i : i + PAGE]
                         continue
                     try:
                         await asyncio.wait_for(changed.wait(), KEEPALIVE)
@@ -273,9 +287,9 @@ class EventHub:
                 # behind the hub's memory: read the database until caught up
                 start_before = self.start
                 rows = await self.ui.events_after(cursor, PAGE, **db_filters)
-                for r in rows:
-                    cursor = cursor_of_row(r, cursor.floor)
-                    yield r
+                if rows:
+                    cursor = cursor_of_row(rows[-1], cursor.floor)
+                    yield rows
                 if len(rows) < PAGE and start_before is not None and _key(start_before) > _key(cursor):
                     # that read saw every event up to where the hub's memory begins (its horizon
                     # was later than the one the hub began at): continue from the hub
@@ -367,8 +381,8 @@ async def resume_cursor(ui: UiStore, last_event_id: str | None, after: int | Non
 def event_stream(hub: EventHub, cursor: Cursor | None, filters: Filters, render: Callable[[Any], bytes]) -> AsyncIterator[bytes]:
     async def gen() -> AsyncIterator[bytes]:
         yield b"retry: 1000\n\n"
-        async for r in hub.follow(cursor, filters.match, filters.db()):
-            yield KEEPALIVE_BYTES if r is None else render(r)
+        async for batch in hub.follow_batches(cursor, filters.match, filters.db()):
+            yield KEEPALIVE_BYTES if batch is None else b"".join(map(render, batch))
 
     return gen()
 
