@@ -33,6 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Annotated, Any, Literal
 
+import orjson
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
@@ -388,7 +389,9 @@ def event_stream(hub: EventHub, cursor: Cursor | None, filters: Filters, render:
 
 
 def _json_event(r: StreamEventRow) -> bytes:
-    return sse(r.kind, json.dumps(event_json(r)), r.id)
+    # A stream's JSON was two thirds of its cost on a busy server: orjson, and no line splitting (its
+    # output is one line: a newline inside a string is escaped)
+    return b"id: %d\nevent: %s\ndata: %s\n\n" % (r.id, r.kind.encode(), orjson.dumps(event_json(r)))
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
