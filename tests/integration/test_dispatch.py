@@ -245,6 +245,29 @@ async def test_a_pass_claims_only_what_the_free_room_could_take(store: Store) ->
         assert (await store.get_task(tid)).reason == reasons.FULL  # untouched, still true
 
 
+async def test_a_node_whose_cpu_binds_before_its_slots_is_not_a_reason_to_claim_the_window(store: Store) -> None:
+    """Slots set high, CPU the limit (100m a task, 1,050m offered: ten fit, 32 slots): the room a
+    pass claims for is counted in tasks the size of those claimed, not in free slots. Counted in
+    slots, every freed task made a pass lock and tell the whole backlog (30 rows for one placement).
+    A task smaller than every one claimed since waits for the next look at the whole window."""
+    await add_node(store, "n1", slots=32, cpu=1050)
+    ids = [await submit(store) for _ in range(40)]
+    sched = _patient(store)
+    first = await sched.dispatch_once()  # the whole window
+    assert first.claimed == 40 and [a[0] for a in first.assigned] == ids[:10]
+    assert set(first.unplaced.values()) == {reasons.NO_ROOM}
+    nothing = await sched.dispatch_once()
+    assert (nothing.claimed, nothing.assigned, nothing.reasons_written) == (0, [], 0)
+    await _free_one(store, first.assigned[0])
+    one = await sched.dispatch_once()
+    assert one.claimed == 1 and [a[0] for a in one.assigned] == [ids[10]]
+    # 50m are free: a 50m task fits, but no pass woken by freed room counts room for it
+    small = await submit(store, resources={"cpu": "50m"})
+    assert (await sched.dispatch_once()).claimed == 0
+    looked = await _patient(store).dispatch_once()  # a tick later: the whole window
+    assert [a[0] for a in looked.assigned] == [small]
+
+
 async def test_tasks_no_free_node_can_run_do_not_hide_the_ones_behind_them(store: Store) -> None:
     """The claim goes on past tasks the free room cannot serve (a label no node has), in claim order,
     until it finds one it can place: the same placement a look at the whole window makes."""

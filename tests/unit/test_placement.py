@@ -535,6 +535,17 @@ def test_placeable_at_most_counts_free_slots_and_operations_of_nodes_that_take_w
     assert placement.placeable_at_most([]) == 0
 
 
+def test_placeable_at_most_counts_cpu_and_memory_in_tasks_of_the_smallest_size() -> None:
+    fleet = [
+        node("a", allocatable=Resources(cpu_millis=1050, memory_bytes=2**34, slots=32), max_operations=32),  # 10 by CPU
+        node("b", allocatable=Resources(cpu_millis=8000, memory_bytes=2**30, slots=32), max_operations=32),  # 4 by memory
+        node("c", allocatable=Resources(cpu_millis=8000, memory_bytes=2**34, slots=3), max_operations=32),  # 3 by slots
+    ]
+    assert placement.placeable_at_most(fleet) == 32 + 32 + 3
+    assert placement.placeable_at_most(fleet, Resources(cpu_millis=100, memory_bytes=2**28)) == 10 + 4 + 3
+    assert placement.placeable_at_most(fleet, Resources(cpu_millis=0, memory_bytes=0)) == 32 + 32 + 3
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_no_batch_of_tasks_places_more_than_placeable_at_most(seed: int) -> None:
     """The dispatcher claims no more tasks than this bound while nothing else could be placed, so it

@@ -155,16 +155,26 @@ def free_of(node: NodeSnapshot) -> Free:
     )
 
 
-def placeable_at_most(nodes: Iterable[NodeSnapshot]) -> int:
+def placeable_at_most(nodes: Iterable[NodeSnapshot], smallest: Resources | None = None) -> int:
     """placeable_at_most bounds how many tasks these nodes can take now, whatever the tasks ask:
     every placement takes one slot and one provisioning operation (`need_of`) of a node that passes
     the availability, draining and reachability checks. The dispatcher claims no more queued tasks
-    than this (plus those no such node could run at all), so the bound must never be low."""
+    than this (plus those no such node could run at all), so the bound must never be low.
+
+    With `smallest`, the bound is for tasks that ask at least that much CPU and memory: a node whose
+    CPU binds before its slots do (the usual case: 100m a task, slots set high) takes only as many.
+    For a task asking less than `smallest` it may be low: the caller says when that is acceptable."""
+    cpu = smallest.cpu_millis if smallest is not None and smallest.cpu_millis > 0 else 0
+    mem = smallest.memory_bytes if smallest is not None and smallest.memory_bytes > 0 else 0
     total = 0
     for node in nodes:
         if node.connected and node.health == ONLINE and not node.draining:
             free = free_of(node)
             room = free[4] if free[4] < free[5] else free[5]
+            if cpu and free[0] // cpu < room:
+                room = free[0] // cpu
+            if mem and free[1] // mem < room:
+                room = free[1] // mem
             if room > 0:
                 total += room
     return total

@@ -8,12 +8,16 @@ makes them durable in one transaction — each a compare-and-set on the queued t
 reservation on its node. It never transitions a task from what it remembers: the snapshots only
 choose, the store decides whether the choice still holds.
 
-A pass claims (locks, decodes, asks the placer about) only as many queued tasks as the free slots
+A pass claims (locks, decodes, asks the placer about) only as many queued tasks as the free room
 could take, in claim order, and more only while the ones claimed could not use the room there is: a
 burst of a thousand tasks on a full fleet no longer locks the backlog's head at every freed slot.
-The tasks behind the claimed ones keep the reason they were last given; once per tick a pass looks
-at the whole window (`claim_limit`) as before, so every queued task in it, a new one too, is told its
-true reason within a tick.
+The room is counted in slots and provisioning operations, and in CPU and memory for tasks the size
+of the smallest claimed since the last look at the whole window: on nodes whose CPU binds before
+their slots (100m a task, slots set high) a count in slots alone made every pass claim the whole
+window for the one task a freed slot let in. A task smaller than every one claimed since may then
+wait for that look, a tick at most. The tasks behind the claimed ones keep the reason they were last
+given; once per tick a pass looks at the whole window (`claim_limit`) as before, so every queued task
+in it, a new one too, is told its true reason within a tick.
 """
 
 from __future__ import annotations
@@ -129,7 +133,9 @@ class DispatchPass:
         d = self.dispatcher
         d._remember_nodes(changed, horizon)
         d._snaps = with_operations(d._snaps, operations)
-        self.room = placeable_at_most(d._snaps.values())
+        if self.whole_window:
+            d._smallest = None  # learnt again from the window's head, which this pass claims whole
+        self.room = placeable_at_most(d._snaps.values(), d._smallest)
 
     @property
     def placer(self) -> Placer:
@@ -157,8 +163,11 @@ class DispatchPass:
         placed: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}
         placer = self.placer
+        d = self.dispatcher
         for t in tasks:
-            result = placer.place(self.dispatcher.requirements_of(t))
+            req = d.requirements_of(t)
+            d._smaller(req.resources)
+            result = placer.place(req)
             if isinstance(result, Unplaceable):
                 unplaced[t.id] = result.reason
             else:
@@ -200,6 +209,9 @@ class Dispatcher:
         self._nodes_read_all_at = float("-inf")
         self._window_looked_at = float("-inf")  # the last pass that looked at the whole window
         self._requirements: dict[tuple[Any, ...], Requirements] = {}
+        # The least CPU and the least memory any task claimed since the last look at the whole window
+        # asked for: the room a pass claims for is counted in tasks that size (None: in slots only).
+        self._smallest: Resources | None = None
 
     async def _pass(self) -> float | None:
         outcome = await self.dispatch_once()
@@ -239,6 +251,13 @@ class Dispatcher:
                 json.loads(t.spec), t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, list(avoid), t.image_digest
             )
         return req
+
+    def _smaller(self, r: Resources) -> None:
+        s = self._smallest
+        if s is None:
+            self._smallest = Resources(r.cpu_millis, r.memory_bytes, 0, 0, 1)
+        elif r.cpu_millis < s.cpu_millis or r.memory_bytes < s.memory_bytes:
+            self._smallest = Resources(min(r.cpu_millis, s.cpu_millis), min(r.memory_bytes, s.memory_bytes), 0, 0, 1)
 
     def plan(self, *, whole_window: bool) -> DispatchPass:
         return DispatchPass(self, whole_window=whole_window)
