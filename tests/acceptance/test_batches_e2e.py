@@ -59,6 +59,39 @@ def test_a_batch_from_a_node_is_applied_in_its_order_with_the_output_before_the_
         node.close()
 
 
+def test_a_short_commands_running_and_end_in_one_write_are_one_change(cluster: Cluster) -> None:
+    """A command that ended before its `running` was sent: the node writes both at once, and the server
+    writes the task once (its revision moves by one), with both events in order, the attempt's start,
+    end and process group, and one Ack."""
+    srv = cluster.server()
+    join = srv.data_dir.joinpath("join-token").read_text().strip()
+    node = ProtocolNode(srv.grpc, f"n-{uuid.uuid4().hex[:8]}", join, batches=True, heartbeat=1.0)
+    try:
+        node.next("welcome")
+        api = cluster.api
+        tid = api.submit(command=["true"])["id"]
+        a = node.next("assign").assign
+        assert a.task_id == tid
+        node.send(_event(tid, a.fencing_token, K.PROVISIONING))
+        assert node.next("accepted").accepted.task_id == tid
+        before = api.wait_state(tid, "provisioning", 30)
+        running = pb.TaskEvent(task_id=tid, fencing_token=a.fencing_token, kind=K.RUNNING, backend_ref="4242")
+        node.send(pb.AgentMessage(batch=pb.AgentBatch(messages=[
+            pb.AgentMessage(event=running), _event(tid, a.fencing_token, K.EXITED, 0),
+        ])))  # fmt: skip
+        after = api.wait_state(tid, "succeeded", 30)
+        assert after["revision"] == before["revision"] + 1
+        assert [(e["from_state"], e["to_state"]) for e in after["events"]][-2:] == [
+            ("provisioning", "running"), ("running", "succeeded")
+        ]  # fmt: skip
+        attempt = after["attempt_list"][-1]
+        assert (attempt["state"], attempt["exit_code"], attempt["backend_ref"]) == ("exited", 0, "4242")
+        assert attempt["started_at"] is not None and attempt["finished_at"] >= attempt["started_at"]
+        assert node.next("ack").ack.task_id == tid
+    finally:
+        node.close()
+
+
 def test_a_node_that_does_not_say_it_reads_batches_is_sent_every_message_on_its_own(cluster: Cluster) -> None:
     srv = cluster.server()
     join = srv.data_dir.joinpath("join-token").read_text().strip()

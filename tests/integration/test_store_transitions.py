@@ -3,6 +3,7 @@ through; a wrong `from`, a stale fencing token or another node's claim changes n
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -226,6 +227,41 @@ async def test_a_group_commit_makes_several_changes_of_one_task_in_order(store: 
         txids = await conn.fetch("SELECT DISTINCT xmin::text FROM tasks WHERE id = ANY($1::uuid[])", [a, c])
     assert len(txids) == 1  # one transaction, one commit
     assert (await node_row(store, "n1"))["res_slots"] == 1  # a's and c's slots freed once each; b's held
+
+
+async def test_a_change_through_running_records_the_start_and_the_end_in_one_write(store: Store) -> None:
+    """A `running` and the end read with it, as one change (`via`): the task row is written once (one
+    revision), and both events, the attempt's start, its end and its backend reference are recorded as
+    two changes would have recorded them. Another via, or a via that is no end, is refused before the
+    database is touched."""
+    from podium.store import Change
+
+    tid, tok = await to_state(store, S.PROVISIONING)
+    before, _attempts, _events, _nodes = await snapshot(store, tid)
+    through = Change(tid, S.PROVISIONING, S.FAILED, actor="node:n1", fencing_token=tok, node_id="n1", exit_code=3,
+                     end_attempt=AttemptState.EXITED, reason=reasons.EXITED_NONZERO, failure_class="exit",
+                     backend_ref="4242", via=S.RUNNING)  # fmt: skip
+    for wrong in (
+        dataclasses.replace(through, via=S.CANCELLING),
+        dataclasses.replace(through, to=S.RUNNING, end_attempt=None, attempt_state=AttemptState.RUNNING),
+        dataclasses.replace(through, from_=S.QUEUED),
+    ):
+        with pytest.raises(ValueError):
+            await store.transition(wrong)
+    assert (await snapshot(store, tid))[0] == before
+    assert await store.transition(through) is not None
+    task, attempts, events, nodes = await snapshot(store, tid)
+    assert (task["state"], task["exit_code"], task["revision"]) == ("failed", 3, before["revision"] + 1)
+    assert [(e["from_state"], e["to_state"], e["reason"], e["failure_class"]) for e in events][-2:] == [
+        ("provisioning", "running", None, None), ("running", "failed", reasons.EXITED_NONZERO, "exit")
+    ]  # fmt: skip
+    assert events[-1]["id"] > events[-2]["id"]  # the event stream keeps their order
+    a = attempts[-1]
+    assert (a["state"], a["exit_code"], a["backend_ref"], a["released"]) == ("exited", 3, "4242", True)
+    assert a["started_at"] is not None and a["finished_at"] >= a["started_at"]
+    assert task["node_id"] is None and nodes[0]["res_slots"] == 0
+    # the same change again is refused like any stale one: nothing is written twice
+    assert await store.transition(through) is None
 
 
 async def test_a_decided_group_commit_reads_under_the_locks_it_writes_under(store: Store) -> None:

@@ -25,6 +25,7 @@ from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.scheduler import policy
 from podium.scheduler.apply import change, facts
 from podium.scheduler.policy import TaskFacts
+from podium.states import TaskState
 from podium.store import Change, Store
 from podium.store.rows import TaskFactsRow
 from podium.timing import Timing
@@ -40,11 +41,12 @@ _KIND = {v: k for k, v in pb.TaskEvent.Kind.items()}
 
 @dataclasses.dataclass(slots=True)
 class _Plan:
-    """A batch's decisions: the changes to make, the reports they answer (aligned), and what the nodes
-    are told of the reports that change nothing (run once the batch is committed)."""
+    """A batch's decisions: the changes to make, the reports each answers (aligned: one, or a `running`
+    and the end made with it in one change), and what the nodes are told of the reports that change
+    nothing (run once the batch is committed)."""
 
     changes: list[Change] = dataclasses.field(default_factory=list)
-    planned: list[tuple[Session, Pending]] = dataclasses.field(default_factory=list)
+    planned: list[list[tuple[Session, Pending]]] = dataclasses.field(default_factory=list)
     answers: list[Callable[[], object]] = dataclasses.field(default_factory=list)
 
 
@@ -186,23 +188,26 @@ class ReportBatcher:
             answer()
         again: list[tuple[Session, Pending]] = []
         refused: set[uuid.UUID] = set()  # tasks whose change in this batch was not made
-        for (s, p), done in zip(plan.planned, results, strict=True):
+        for reports, done in zip(plan.planned, results, strict=True):
             if done is not None:
-                metrics.NODE_REPORTS.labels("applied").inc()
-                self._answer(s, p, applied=True)
+                metrics.NODE_REPORTS.labels("applied").inc(len(reports))
+                for s, p in reports:
+                    self._answer(s, p, applied=True)
                 continue
+            s, p = reports[0]
             if p.task_id in refused:
-                again.append((s, p))  # not tried: its task's earlier report was refused; decided anew
+                again.extend(reports)  # not tried: its task's earlier report was refused; decided anew
                 continue
             refused.add(p.task_id)
-            # refused by what the change checks itself: decide again on a fresh read
+            # refused by what the change checks itself: decide again on a fresh read (each report on its own)
             p.tries += 1
             if p.tries < EVENT_TRIES:
-                again.append((s, p))
+                again.extend(reports)
             else:
-                log.warning("node %s: %s for task %s kept losing races; dropped", s.node_id, p.kind, p.task_id)
-                metrics.NODE_REPORTS.labels("dropped").inc()
-                self._answer(s, p, applied=False)
+                for s, p in reports:
+                    log.warning("node %s: %s for task %s kept losing races; dropped", s.node_id, p.kind, p.task_id)
+                    metrics.NODE_REPORTS.labels("dropped").inc()
+                    self._answer(s, p, applied=False)
         self._put_back(again)
 
     def _decide(self, batch: list[tuple[Session, Pending]], rows: Mapping[uuid.UUID, TaskFactsRow]) -> _Plan:
@@ -211,8 +216,10 @@ class ReportBatcher:
         batch is committed. Only computes: it runs again when the transaction is retried."""
         plan = _Plan()
         # a task's facts as its reports earlier in this batch will have left them (its `running` and
-        # its end, read together, are decided one after the other and made in one commit)
+        # its end, read together, are decided one after the other and made in one commit), and the
+        # index of its last change in the plan
         ahead: dict[uuid.UUID, TaskFacts] = {}
+        last: dict[uuid.UUID, int] = {}
         for s, p in batch:
             ev = p.event
             row = rows.get(p.task_id)
@@ -236,11 +243,19 @@ class ReportBatcher:
                 plan.answers.append(functools.partial(metrics.NODE_REPORTS.labels("settled").inc))
                 plan.answers.append(functools.partial(self._answer, s, p, applied=False))
                 continue
-            plan.changes.append(change(
+            c = change(
                 p.task_id, f.state, step, actor=f"node:{s.node_id}", fencing_token=ev.fencing_token, node_id=s.node_id,
                 backend_ref=ev.backend_ref,
-            ))  # fmt: skip
-            plan.planned.append((s, p))
+            )  # fmt: skip
+            i = last.get(p.task_id)
+            if i is not None and (merged := _through_running(plan.changes[i], c)) is not None:
+                # its `running` and this end in one change: the task row written once, one statement
+                plan.changes[i] = merged
+                plan.planned[i].append((s, p))
+            else:
+                last[p.task_id] = len(plan.changes)
+                plan.changes.append(c)
+                plan.planned.append([(s, p)])
             ahead[p.task_id] = dataclasses.replace(f, state=step.to)
         return plan
 
@@ -262,6 +277,19 @@ class ReportBatcher:
             accepted(s, p.event.task_id, p.event.fencing_token)
         if p.final:
             s.send(pb.ServerMessage(ack=pb.Ack(task_id=p.event.task_id, fencing_token=p.event.fencing_token)))
+
+
+def _through_running(first: Change, then: Change) -> Change | None:
+    """One change for a task's `running` and the end that follows it in the same batch (a command
+    that ended before its start was committed), or None if `first` is not such a plain `running`."""
+    if not (
+        first.to == TaskState.RUNNING and first.via is None and first.end_attempt is None and not first.stop
+        and first.reason is None and first.failure_class is None and first.detail is None
+        and then.from_ == TaskState.RUNNING and then.end_attempt is not None and then.revision is None
+        and then.fencing_token == first.fencing_token and then.node_id == first.node_id
+    ):  # fmt: skip
+        return None
+    return dataclasses.replace(then, from_=first.from_, via=TaskState.RUNNING, backend_ref=then.backend_ref or first.backend_ref)
 
 
 def take_round_robin(sessions: list[Session], limit: int) -> tuple[list[tuple[Session, Pending]], list[Session]]:

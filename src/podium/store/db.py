@@ -174,16 +174,24 @@ class Change:
     backend_ref: str | None = None  # the backend's reference to what runs, recorded on the attempt
     release: bool = False  # free a container attempt's capacity with its end, without a proof
     revision: int | None = None  # the assignment revision the caller read; another one refuses the change
+    # A state passed through on the way, in this one change: a short command's `running` read in one
+    # batch with its end (`ReportBatcher`). Its own event and the attempt's start are recorded too.
+    via: TaskState | str | None = None
 
     def row(self) -> tuple[Any, ...]:
-        if not is_allowed(TaskState(self.from_), TaskState(self.to)):
-            raise ValueError(f"transition {self.from_} → {self.to} is not allowed")
+        if self.via is None:
+            if not is_allowed(TaskState(self.from_), TaskState(self.to)):
+                raise ValueError(f"transition {self.from_} → {self.to} is not allowed")
+        elif TaskState(self.via) != TaskState.RUNNING or self.end_attempt is None:
+            raise ValueError(f"a change may pass through running on its way to an end only, not {self.via} → {self.to}")
+        elif not (is_allowed(TaskState(self.from_), TaskState.RUNNING) and is_allowed(TaskState.RUNNING, TaskState(self.to))):
+            raise ValueError(f"transition {self.from_} → {self.via} → {self.to} is not allowed")
         return (
             self.task_id, str(self.from_), str(self.to), self.reason, self.fencing_token, self.node_id,
             self.exit_code, self.lease_seconds, None if self.end_attempt is None else str(self.end_attempt),
             None if self.attempt_state is None else str(self.attempt_state), self.stop, self.actor,
             None if self.failure_class is None else str(self.failure_class), self.detail, self.backend_ref or None,
-            self.release, self.revision,
+            self.release, self.revision, None if self.via is None else str(self.via),
         )  # fmt: skip
 
 

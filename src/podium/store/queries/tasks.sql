@@ -52,13 +52,16 @@ SELECT * FROM tasks WHERE idempotency_key = $1
 -- node-loss policy gave up on the node (then the proof says so); otherwise it stays reserved until
 -- `release_proofs`. `backend_ref` is recorded on the attempt as it moves forward (with RUNNING).
 -- `revision`, when given, is the assignment revision the caller read (If-Match): another one refuses
--- the row too. Every accepted row bumps the task's revision.
+-- the row too. Every accepted row bumps the task's revision. `via` ('running' or null) is a state the
+-- task passes through on its way from `from_state` to an end, in the same row: a short command's
+-- `running` and its end, read in one batch. It is recorded as its own event (with no reason of its
+-- own), before the end's, and as the attempt's start; the task row is written once.
 WITH d AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::int[],
                          $8::float8[], $9::text[], $10::text[], $11::bool[], $12::text[], $13::text[], $14::text[],
-                         $15::text[], $16::bool[], $17::bigint[])
+                         $15::text[], $16::bool[], $17::bigint[], $18::text[])
         AS d(id, from_state, to_state, reason, token, node, exit_code, lease, end_attempt, attempt_state, stop, actor,
-             failure_class, detail, backend_ref, release, revision)
+             failure_class, detail, backend_ref, release, revision, via)
 ), t AS (
     UPDATE tasks SET
         state = d.to_state,
@@ -89,7 +92,7 @@ WITH d AS (
       AND (d.node IS NULL OR tasks.node_id = d.node)
       AND (d.revision IS NULL OR tasks.revision = d.revision)
     RETURNING tasks.id, tasks.fencing_token, d.from_state, d.to_state, d.reason, d.exit_code, d.end_attempt,
-              d.attempt_state, d.stop, d.actor, d.failure_class, d.detail, d.backend_ref, d.release
+              d.attempt_state, d.stop, d.actor, d.failure_class, d.detail, d.backend_ref, d.release, d.via
 ), ended AS (
     -- an attempt ends once (finished_at); whether that also frees its capacity depends on its backend:
     -- a process group is gone with its end, a container only once the node proves it removed
@@ -102,7 +105,9 @@ WITH d AS (
         release_proof = CASE WHEN a.backend_kind = 'container' AND a.release_proof IS NULL AND t.release
                              THEN jsonb_build_object('by', 'server', 'reason', t.reason) ELSE a.release_proof END,
         exit_code = CASE WHEN t.exit_code IS NULL THEN a.exit_code ELSE t.exit_code END,
-        stop_requested_at = CASE WHEN t.stop THEN now() ELSE a.stop_requested_at END
+        stop_requested_at = CASE WHEN t.stop THEN now() ELSE a.stop_requested_at END,
+        started_at = CASE WHEN t.via = 'running' THEN now() ELSE a.started_at END,
+        backend_ref = COALESCE(t.backend_ref, a.backend_ref)
     FROM t
     WHERE t.end_attempt IS NOT NULL AND a.fencing_token = t.fencing_token AND a.finished_at IS NULL
     RETURNING a.task_id, a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus, a.fencing_token, t.stop,
@@ -121,8 +126,14 @@ WITH d AS (
     WHERE t.end_attempt IS NULL AND (t.attempt_state IS NOT NULL OR t.stop) AND a.fencing_token = t.fencing_token
     RETURNING a.task_id, a.node_id, t.stop
 ), {{freed: ended WHERE ended.released}}, e AS (
+    -- a row's `via` event first (ids in this order: a stream reads a task's events in id order)
     INSERT INTO task_events (task_id, from_state, to_state, reason, actor, fencing_token, failure_class, detail)
-    SELECT t.id, t.from_state, t.to_state, t.reason, t.actor, t.fencing_token, t.failure_class, t.detail FROM t
+    SELECT t.id, v.from_state, v.to_state, v.reason, t.actor, t.fencing_token, v.failure_class, v.detail
+    FROM t CROSS JOIN LATERAL (VALUES (0, t.from_state, t.via, NULL, NULL, NULL),
+                                      (1, COALESCE(t.via, t.from_state), t.to_state, t.reason, t.failure_class, t.detail))
+         AS v(k, from_state, to_state, reason, failure_class, detail)
+    WHERE v.k = 1 OR t.via IS NOT NULL
+    ORDER BY t.id, v.k
 ), woke_node AS (
     -- wake the gateway of every node that must send a stop, and the dispatcher once when room was
     -- freed or work was queued; delivered only if the transaction commits
