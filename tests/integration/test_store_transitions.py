@@ -267,7 +267,8 @@ async def test_a_change_through_running_records_the_start_and_the_end_in_one_wri
 async def test_a_decided_group_commit_reads_under_the_locks_it_writes_under(store: Store) -> None:
     """transition_decided: the tasks are locked by the statement that reads them, so a change elsewhere
     either commits before the read (and is what `decide` sees) or waits for the commit; their nodes
-    are locked only for an end, after the decisions; `decide` may change only tasks it was given."""
+    are locked only for an end (by that statement for the tasks the caller says report one, else
+    before the first write); `decide` may change only tasks it was given."""
     import asyncio
 
     import asyncpg
@@ -300,15 +301,33 @@ async def test_a_decided_group_commit_reads_under_the_locks_it_writes_under(stor
         changes, results = await pending
     assert seen == ["cancelling"] and changes == [] and results == []
 
-    # while the read's transaction is open, the task is locked against other writers and its node is
-    # not (a heartbeat flush or a placement waiting for it would wait for the decisions)
-    async with store.pool.acquire() as mine, mine.transaction():
-        assert [r["id"] for r in await mine.fetch(store.q["lock_task_facts"], [b])] == [b]
-        async with store.pool.acquire() as other:
-            with pytest.raises(asyncpg.LockNotAvailableError):
-                await other.execute("SELECT 1 FROM tasks WHERE id = $1 FOR NO KEY UPDATE NOWAIT", b)
-            async with other.transaction():
-                await other.execute("SELECT 1 FROM nodes WHERE id = $1 FOR NO KEY UPDATE NOWAIT", "n1")
+    # while the read's transaction is open, the task is locked against other writers, and its node
+    # only when the task reports an end (a heartbeat flush or a placement waits only for a batch that
+    # may free that node)
+    for ending, node_locked in (([], False), ([b], True)):
+        async with store.pool.acquire() as mine, mine.transaction():
+            assert [r["id"] for r in await mine.fetch(store.q["lock_task_facts"], [b], ending)] == [b]
+            async with store.pool.acquire() as other:
+                with pytest.raises(asyncpg.LockNotAvailableError):
+                    await other.execute("SELECT 1 FROM tasks WHERE id = $1 FOR NO KEY UPDATE NOWAIT", b)
+                async with other.transaction():
+                    node = other.execute("SELECT 1 FROM nodes WHERE id = $1 FOR NO KEY UPDATE NOWAIT", "n1")
+                    if node_locked:
+                        with pytest.raises(asyncpg.LockNotAvailableError):
+                            await node
+                    else:
+                        await node
+
+    # an end the caller did not announce still frees its node's capacity, once: the node is locked
+    # before the write
+    held = (await node_row(store, "n1"))["res_slots"]
+
+    def ended(rows: Any) -> list[Change]:
+        return [Change(b, S.ASSIGNED, S.FAILED, actor="node:n1", fencing_token=tok[b], node_id="n1",
+                       end_attempt=AttemptState.FAILED, reason=reasons.RETRYABLE_ERROR)]  # fmt: skip
+
+    _changes, results = await store.transition_decided([b], ended)
+    assert results[0] is not None and (await node_row(store, "n1"))["res_slots"] == held - 1
 
     def stray(rows: Any) -> list[Change]:
         return [Change(a, S.CANCELLING, S.CANCELLED, actor="x", end_attempt=AttemptState.STOPPED)]

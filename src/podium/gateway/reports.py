@@ -180,8 +180,11 @@ class ReportBatcher:
             plan = self._decide(batch, rows)
             return plan.changes
 
-        # read under the locks the changes are written under: one statement, then one per layer
-        _changes, results = await self.store.transition_decided(list({p.task_id: None for _s, p in batch}), decide)
+        # read under the locks the changes are written under (the tasks, and the nodes of the ends):
+        # one statement, then one per layer
+        _changes, results = await self.store.transition_decided(
+            list({p.task_id: None for _s, p in batch}), decide, ending={p.task_id for _s, p in batch if p.final}
+        )
         assert plan is not None
         metrics.NODE_REPORT_BATCH.observe(len(batch))
         for answer in plan.answers:  # what the node hears of the reports that changed nothing

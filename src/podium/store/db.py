@@ -614,25 +614,32 @@ class Store:
 
     @_retried
     async def transition_decided(
-        self, task_ids: Sequence[uuid.UUID], decide: Callable[[Mapping[uuid.UUID, TaskFactsRow]], Sequence[Change]]
+        self,
+        task_ids: Sequence[uuid.UUID],
+        decide: Callable[[Mapping[uuid.UUID, TaskFactsRow]], Sequence[Change]],
+        *,
+        ending: Collection[uuid.UUID] = (),
     ) -> tuple[list[Change], list[Transition | None]]:
-        """Lock these tasks and read them (one statement), let `decide` turn what it read into
-        changes, and make them as `transition_many` does — one transaction, one commit. What a change
-        is decided on cannot move before it is made (the rows stay locked), so a change is refused
-        only for what it checks itself (its token, its node). The nodes of the changes that end
-        attempts (the only ones that write a node: its capacity) are locked after `decide`, in id
-        order, so nothing waiting for a node waits for the decisions. `decide` runs again, on a fresh
-        read, when the transaction is retried: it must only compute. Returns the changes of the last
-        `decide` and each one's answer. A task absent from the database is absent from the read."""
+        """Lock these tasks and read them, and lock the nodes of those in `ending` (the tasks whose
+        changes may free a node's capacity: the caller's reported ends), in one statement; let
+        `decide` turn what it read into changes, and make them as `transition_many` does — one
+        transaction, one commit. What a change is decided on cannot move before it is made (the rows
+        stay locked), so a change is refused only for what it checks itself (its token, its node). A
+        change that frees a node not locked with the read has it locked before the first write. `decide`
+        runs again, on a fresh read, when the transaction is retried: it must only compute. Returns the
+        changes of the last `decide` and each one's answer. A task absent from the database is absent
+        from the read."""
         async with self._conn() as conn, conn.transaction():
-            read = TaskFactsRow.many(await conn.fetch(self.q["lock_task_facts"], list(task_ids)))
+            read = TaskFactsRow.many(await conn.fetch(self.q["lock_task_facts"], list(task_ids), list(ending)))
             changes = list(decide({r.id: r for r in read}))
             if not changes:
                 return [], []
             rows = [c.row() for c in changes]
             if stray := {c.task_id for c in changes} - {r.id for r in read}:
                 raise ValueError(f"changes to tasks that were not read and locked: {sorted(map(str, stray))}")
-            return changes, await self._made_in_layers(conn, changes, rows, lock_nodes=True)
+            locked = {r.id for r in read if r.id in ending}
+            unlocked = any(c.end_attempt is not None and c.task_id not in locked for c in changes)
+            return changes, await self._made_in_layers(conn, changes, rows, lock_nodes=unlocked)
 
     async def _made_in_layers(
         self,

@@ -339,13 +339,24 @@ SELECT * FROM tasks WHERE id = $1
 -- lock_task_facts --
 -- A group commit of node reports reads what it decides on under the lock it writes under: its tasks
 -- locked in id order (the order a single change and placement take them in) and read; a row changed
--- meanwhile is read as committed. Their nodes are locked later, just before the write and only for
--- the changes that free capacity (`Store.transition_decided`), so a heartbeat flush or a placement
--- waiting for a node never waits while the batch is being decided.
-SELECT id, state, fencing_token, node_id, attempts, max_attempts, requeue_on_node_loss, timeout_seconds, cancel_reason
-FROM tasks WHERE id = ANY($1::uuid[])
-ORDER BY id
-FOR NO KEY UPDATE
+-- meanwhile is read as committed. Then, in the same statement, the nodes of the tasks in $2 (those
+-- with an end reported: the changes that free a node's capacity), in id order: every task's lock is
+-- taken before the first node's (`t` is read whole by `n` before `n` sorts and locks), the order a
+-- single change takes them in. The nodes are locked while the batch is decided (no round trip more
+-- for them); a change that frees a node not locked here has it locked before it is written
+-- (`Store.transition_decided`).
+WITH t AS (
+    SELECT id, state, fencing_token, node_id, attempts, max_attempts, requeue_on_node_loss, timeout_seconds, cancel_reason
+    FROM tasks WHERE id = ANY($1::uuid[])
+    ORDER BY id
+    FOR NO KEY UPDATE
+), n AS (
+    SELECT n.id FROM nodes n
+    WHERE n.id IN (SELECT node_id FROM t WHERE t.id = ANY($2::uuid[]) AND t.node_id IS NOT NULL)
+    ORDER BY n.id
+    FOR NO KEY UPDATE
+)
+SELECT t.*, (SELECT count(*) FROM n) AS nodes_locked FROM t
 
 -- dispatch_facts --
 -- What a dispatch pass reads before it claims, in one round trip: the snapshot horizon (every
