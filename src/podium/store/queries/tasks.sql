@@ -356,7 +356,9 @@ WITH t AS (
     ORDER BY n.id
     FOR NO KEY UPDATE
 )
-SELECT t.*, (SELECT count(*) FROM n) AS nodes_locked FROM t
+-- (`n` is named in the WHERE only to run it: a SELECT in WITH that nothing reads is never run; true
+-- for every row, it runs once, and reading `t` whole takes every task's lock before a node's)
+SELECT t.* FROM t WHERE (SELECT count(*) FROM n) >= 0
 
 -- dispatch_facts --
 -- What a dispatch pass reads before it claims, in one round trip: the snapshot horizon (every
