@@ -146,6 +146,36 @@ async def test_a_batch_is_stored_whole_or_not_at_all(store: Store) -> None:
         assert await c.fetchval("SELECT count(*) FROM tasks") == 3  # nothing of the refused batch
 
 
+async def test_a_change_and_its_audit_entry_are_written_together_or_not_at_all(store: Store) -> None:
+    """An audit entry given with a change is in the change's transaction: written only when the change
+    is made, and an entry that cannot be written takes the change back with it."""
+    from podium.store import AuditEntry, Change
+
+    tid, tok = await to_state(store, S.ASSIGNED)
+
+    async def entries() -> list[tuple[str, str, str]]:
+        async with store.pool.acquire() as c:
+            rows = await c.fetch("SELECT actor, action, target FROM audit_log WHERE action = 'task.test' ORDER BY id")
+        return [tuple(r) for r in rows]
+
+    failed = Change(tid, S.ASSIGNED, S.FAILED, actor="gateway:x", reason="why", fencing_token=tok,
+                    end_attempt=AttemptState.REVOKED)  # fmt: skip
+    # a detail the database cannot store (not JSON): the failure is not written either
+    with pytest.raises(Exception, match="not JSON serializable"):
+        await store.transition(failed, audit=AuditEntry("task.test", {"secret": object()}))
+    task, attempts, events, _ = await snapshot(store, tid)
+    assert (task["state"], [a["state"] for a in attempts], events[-1]["to_state"]) == (S.ASSIGNED, ["assigned"], S.ASSIGNED)
+    assert await entries() == []
+    # a refused compare-and-set (a stale token) writes no entry
+    stale = dataclasses.replace(failed, fencing_token=tok + 1)
+    assert await store.transition(stale, audit=AuditEntry("task.test", {"n": 1})) is None
+    assert await entries() == []
+    # the change made: its entry, by its actor, about its task
+    assert await store.transition(failed, audit=AuditEntry("task.test", {"n": 2})) is not None
+    assert (await store.get_task(tid)).state == S.FAILED
+    assert await entries() == [("gateway:x", "task.test", str(tid))]
+
+
 async def test_a_group_commit_gives_each_change_the_answer_it_would_get_alone(store: Store) -> None:
     """transition_many: several compare-and-sets in one commit. A wrong `from`, a stale token or a
     foreign node refuses that change only; the accepted ones free capacity exactly as alone."""

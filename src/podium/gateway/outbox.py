@@ -24,7 +24,7 @@ from podium.scheduler.apply import Applier
 from podium.security.secretbox import SecretUnreadable
 from podium.security.service import SecretMissing, Security
 from podium.states import TaskState
-from podium.store import Store, Subscription
+from podium.store import AuditEntry, Store, Subscription
 from podium.store.rows import OutboxRow
 from podium.timing import Timing
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class Outbox:
     def __init__(
         self, store: Store, sessions: Sessions, timing: Timing, *, take_store: Store, security: Security,
-        applier: Applier, server_id: str,
+        applier: Applier,
     ) -> None:  # fmt: skip
         self.store = store
         # the outbox takes run over the pool of the group commits, so no Hello storm delays them
@@ -43,7 +43,6 @@ class Outbox:
         self.timing = timing
         self.security = security
         self.applier = applier
-        self.server_id = server_id
         self._node_sub: Subscription | None = None
         self._revoked_sub: Subscription | None = None  # also hears podium_superseded
         self._due: set[str] = set()  # nodes to take the outbox of at the next take
@@ -192,13 +191,11 @@ class Outbox:
         key) goes beside the reason, in the audit log, never into it. False if the store went away
         meanwhile (the caller tries the whole delivery again)."""
         step = policy.on_undeliverable(policy.TaskFacts(state=TaskState.ASSIGNED), problem)
+        # the entry is written with the failure, in its transaction: never one without the other
+        entry = None if step is None else AuditEntry(
+            "task.undeliverable", {"reason": step.reason, "fencing_token": r.fencing_token, **detail})  # fmt: skip
         try:
-            done = await self.applier.apply(r.task_id, TaskState.ASSIGNED, step, fencing_token=r.fencing_token)
-            if done is not None and step is not None:
-                await self.store.audit(
-                    f"gateway:{self.server_id}", "task.undeliverable", str(r.task_id),
-                    {"reason": step.reason, "fencing_token": r.fencing_token, **detail},
-                )  # fmt: skip
+            await self.applier.apply(r.task_id, TaskState.ASSIGNED, step, fencing_token=r.fencing_token, audit=entry)
         except StoreUnavailable as e:
             log.warning("task %s: its failure could not be recorded yet (%s); trying again", r.task_id, e)
             return False

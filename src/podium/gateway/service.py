@@ -71,7 +71,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         self.reports = ReportBatcher(reports_store, self.sessions, timing, flush_logs=self.logs.flush)
         self.proofs = ReleaseProofs(reports_store)
         self.outbox = Outbox(
-            store, self.sessions, timing, take_store=reports_store, security=security, applier=applier, server_id=server_id
+            store, self.sessions, timing, take_store=reports_store, security=security, applier=applier
         )
         self.reconciler = Reconciler(store, applier, timing)
 

@@ -14,7 +14,7 @@ import uuid
 
 from podium.scheduler.policy import Step, TaskFacts
 from podium.states import TaskState
-from podium.store import Change, Store, Transition
+from podium.store import AuditEntry, Change, Store, Transition
 from podium.store.rows import ReconcileClaimRow, TaskFactsRow, TaskRow
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,16 @@ class Applier:
         fencing_token: int | None = None,
         node_id: str | None = None,
         revision: int | None = None,
+        audit: AuditEntry | None = None,
     ) -> Transition | None:
-        """One compare-and-set from `from_`; None when the step is None or the task moved meanwhile."""
+        """One compare-and-set from `from_`; None when the step is None or the task moved meanwhile.
+        `audit` is recorded with the change, in its transaction, by the same actor."""
         if step is None:
             return None
         c = change(
             task_id, from_, step, actor=actor or self.actor, fencing_token=fencing_token, node_id=node_id, revision=revision
         )
-        result = await self.store.transition(c)
+        result = await self.store.transition(c, audit=audit)
         if result is not None:
             log.debug("task %s: %s → %s (%s)", task_id, from_, step.to, step.reason or "-")
         return result

@@ -154,6 +154,15 @@ class Transition:
 
 
 @dataclass(frozen=True, slots=True)
+class AuditEntry:
+    """An audit-log entry about a change's task, written by its actor in the change's own transaction:
+    it exists exactly when the change does (a process killed between two commits would keep one)."""
+
+    action: str
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class Change:
     """One compare-and-set to make: `Store.transition`'s argument; a batch of them for `transition_many`."""
 
@@ -549,7 +558,7 @@ class Store:
         )
 
     @_retried
-    async def transition(self, change: Change) -> Transition | None:
+    async def transition(self, change: Change, *, audit: AuditEntry | None = None) -> Transition | None:
         """Make one change (one compare-and-set), or do nothing and return None.
 
         `fencing_token` and `node_id` are given when a node is the actor: a stale token or another
@@ -560,10 +569,16 @@ class Store:
         same statement; a container attempt's end frees its capacity only with a recorded release
         proof, or with `release` (the node-loss policy gave up on its node). `revision` (If-Match)
         refuses the change unless the task is still at that assignment revision; every accepted
-        change bumps it.
+        change bumps it. `audit` is written only if the change is made, in its transaction.
         """
         async with self._conn() as c:
-            row = await c.fetchrow(self.q["transition_tasks"], *_columns([change.row()]))
+            if audit is None:
+                row = await c.fetchrow(self.q["transition_tasks"], *_columns([change.row()]))
+            else:
+                async with c.transaction():
+                    row = await c.fetchrow(self.q["transition_tasks"], *_columns([change.row()]))
+                    if row is not None:
+                        await c.execute(self.q["audit"], change.actor, audit.action, str(change.task_id), audit.detail)
         if row is None:
             return None
         return Transition(row["id"], row["fencing_token"], row["attempt_node"])
