@@ -223,8 +223,8 @@ def main() -> None:
     ap.add_argument("--podium", default=None, help="the podium executable to run (default: this checkout's)")
     ap.add_argument("--label", default="", help="a name for this build in the output")
     ap.add_argument("--json", action="store_true", help="one JSON line per mode")
-    ap.add_argument("--stages", action="store_true", help="also where the burst's attempts spent their time, "
-                    "stage by stage, read from the run's database")
+    ap.add_argument("--stages", action="store_true", help="also where each mode's attempts spent their "
+                    "time, stage by stage, read from the run's database")
     a = ap.parse_args()
     podium = [a.podium] if a.podium else [sys.executable, "-m", "podium"]
     run = Run(podium, a.agents, a.slots)
@@ -247,9 +247,11 @@ def main() -> None:
                 r["stages_ms"] = stages(run.tmp / "data", since)
             out.append(r)
         if a.serial:
-            load0 = load()
+            load0, since = load(), time.time()
             r = b.serial(a.serial)
             r["load"] = [load0, load()]
+            if a.stages:
+                r["stages_ms"] = stages(run.tmp / "data", since)
             out.append(r)
         b.close()
     finally:
