@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from podium.agent.agent import Agent, AgentConfig, Attempt, Superseded
+from podium.agent import fence
 from podium.agent.fence import FenceKeeper, start_time
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.timing import DEFAULT_TIMING, FAST_TIMER_DIVISOR
@@ -210,6 +211,30 @@ def test_the_keeper_says_what_it_killed_and_why() -> None:
         assert keeper.killed(8) is None and survivor.poll() is None
     finally:
         for p in (victim, survivor):
+            p.kill()
+            p.wait()
+        keeper.close()
+
+
+async def test_an_ended_group_is_told_to_the_keeper_soon_with_nothing_else_to_write() -> None:
+    """In the agent (a running loop) an ended group's `del` waits for the next line to ride with, for
+    HOLD_DELS at most: with nothing else written the keeper still hears it before the lease runs out,
+    and the lapse kills only the group still fenced (both are alive here: a `del` that never arrived
+    would show as a kill)."""
+    keeper = FenceKeeper(None)
+    ended = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    fenced = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        keeper.renew(time.monotonic() + 3)
+        keeper.add(ended.pid, "ended", 1)
+        keeper.add(fenced.pid, "fenced", 2)
+        keeper.remove(ended.pid)  # the last line this test writes
+        await asyncio.sleep(fence.HOLD_DELS * 4)
+        wait_for(lambda: fenced.poll() is not None, 30, what="the keeper to kill the group still fenced")
+        assert keeper.killed(2) == "lease expired"
+        assert ended.poll() is None, "the keeper never heard that the group ended"
+    finally:
+        for p in (ended, fenced):
             p.kill()
             p.wait()
         keeper.close()

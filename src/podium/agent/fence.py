@@ -53,6 +53,7 @@ any member of its group lives).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -67,6 +68,8 @@ from pathlib import Path
 CHECK_EVERY = 0.02  # seconds; how late past the deadline a fence can fire
 ENGINE_TIMEOUT = 5.0  # seconds one kill through the engine's API may take
 LEASE_EXPIRED = "lease expired"  # the keeper's word for a kill at the deadline
+# seconds a `del` may wait for the next line to ride with (see FenceKeeper.remove)
+HOLD_DELS = 0.05
 
 
 def start_time(pid: int) -> int | None:
@@ -258,6 +261,8 @@ class FenceKeeper:
         self._kills_fd = _kills_file()
         self._kills_read = 0
         self._killed: dict[int, str] = {}  # token → why, for attempts still fenced
+        self._held: list[str] = []  # `del` lines not written yet (see remove)
+        self._flush_at: asyncio.TimerHandle | None = None
 
     def _ensure(self) -> subprocess.Popen[bytes]:
         if self.proc is None or self.proc.poll() is not None:
@@ -280,6 +285,9 @@ class FenceKeeper:
     def _write(self, line: str, ensure: bool = True) -> None:
         proc = self._ensure() if ensure else self.proc
         assert proc is not None and proc.stdin is not None
+        if self._held:  # ahead of the line, in the order they were held
+            line = "".join(self._held) + line
+            self._held.clear()
         try:
             proc.stdin.write(line.encode())
             proc.stdin.flush()
@@ -339,8 +347,31 @@ class FenceKeeper:
         self._write(f"add {pgid} {task} {token} {self.groups[pgid][2]}\n")
 
     def remove(self, pgid: int) -> None:
-        if self.groups.pop(pgid, None) is not None:
-            self._write(f"del {pgid}\n")
+        """The group ended by itself. The keeper is told with the next line written (the next start's
+        `add`, in a burst) or within HOLD_DELS: one pipe write, one wake of the keeper, instead of
+        two per task. Safe to tell late: until it hears, the keeper would kill the group at a lapse
+        only while its leader is still the process registered (`same_group`), and the attempt is
+        over for the agent already (its word from the keeper was read before this)."""
+        if self.groups.pop(pgid, None) is None:
+            return
+        self._held.append(f"del {pgid}\n")
+        if self._flush_at is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop to come back on (a caller outside the agent): now
+            self._flush_held()
+            return
+        self._flush_at = loop.call_later(HOLD_DELS, self._flush_held)
+
+    def _flush_held(self) -> None:
+        self._flush_at = None
+        if not self._held:
+            return
+        if self.proc is None:  # no keeper now: the next one is told only the groups still fenced
+            self._held.clear()
+            return
+        self._write("")
 
     def fence_now(self, why: str) -> None:
         """Kill every registered group and container at once, whatever the lease says: the groups
@@ -362,6 +393,9 @@ class FenceKeeper:
             self._write(f"cdel {container_id}\n")
 
     def close(self) -> None:
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
         if self.proc is not None and self.proc.stdin is not None:
             self.groups.clear()
             self.containers.clear()
