@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from podium.agent.agent import Agent, AgentConfig, Attempt, Superseded
 from podium.agent import fence
+from podium.agent.agent import Agent, AgentConfig, Attempt, Superseded
 from podium.agent.fence import FenceKeeper, start_time
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.timing import DEFAULT_TIMING, FAST_TIMER_DIVISOR
