@@ -44,6 +44,20 @@ def test_idempotency_key_is_not_part_of_the_spec() -> None:
     assert "idempotency_key" not in req.task_spec().model_dump()
 
 
+def test_the_spec_of_a_submission_is_the_spec_its_fields_validate_to() -> None:
+    # task_spec() reuses the fields the request validated: it must be exactly the TaskSpec that
+    # validating them again gives, stored as the same JSON
+    body = {"command": ["sh", "-c", "echo $A"], "name": "n-1", "env": {"X": "1"}, "labels": {"zone": "a"},
+            "resources": {"cpu": "250m", "memory": "64Mi", "disk": "1Gi"}, "capabilities": ["b", "a", "a"],
+            "timeout": "1m30s", "max_attempts": 2, "priority": 5, "secrets": [{"name": "db", "env": "A"}],
+            "requeue_on_node_loss": False, "idempotency_key": "k"}  # fmt: skip
+    spec = SubmitRequest.model_validate(body).task_spec()
+    again = TaskSpec.model_validate({k: v for k, v in body.items() if k != "idempotency_key"})
+    assert type(spec) is TaskSpec
+    assert spec == again and spec.model_dump_json() == again.model_dump_json()
+    assert spec.capabilities == ["a", "b"] and spec.timeout == 90 and spec.resources.memory == 64 * 2**20
+
+
 @pytest.mark.parametrize(
     "image",
     ["busybox", "busybox:1.36", "library/busybox", "registry.example.com/team/app:1.4", "localhost:5000/app",
