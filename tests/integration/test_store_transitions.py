@@ -365,3 +365,27 @@ async def test_a_decided_group_commit_reads_under_the_locks_it_writes_under(stor
     with pytest.raises(ValueError, match="not read and locked"):
         await store.transition_decided([b], stray)
     assert (await store.get_task(a)).state == "cancelling"  # the refused batch wrote nothing
+
+
+async def test_a_queued_tasks_reason_is_written_without_touching_an_index(store: Store) -> None:
+    """A task row is written several times on its way; a write that changes no indexed column (the
+    reason a queued task waits) is a HOT update, even on a page filled by a batch of submissions, and
+    an idempotency key is indexed only for the tasks that have one (issue 17: index writes per task)."""
+    from podium.spec import TaskSpec
+
+    rows = await store.submit_many([(TaskSpec(command=["true"], name="x"), None) for _ in range(200)], actor="test")
+    first = rows[0][0].id  # on the first page, which the batch filled
+    async with store.pool.acquire() as c, c.transaction():
+        assert await c.fetchval("SELECT (ctid::text::point)[0] FROM tasks WHERE id = $1", first) == 0
+        assert await c.fetchval("SELECT count(*) FROM tasks WHERE (ctid::text::point)[0] = 0") > 5
+        await c.execute(store.q["set_queued_reasons"], [first], [reasons.FULL])
+        assert await c.fetchval("SELECT pg_stat_get_xact_tuples_hot_updated('tasks'::regclass)") == 1
+        assert await c.fetchval("SELECT pg_stat_get_xact_tuples_updated('tasks'::regclass)") == 1
+    assert (await store.get_task(first)).reason == reasons.FULL
+    # a key is still unique, through the index of the keys alone, which a lookup by key reads
+    a, created = await store.submit(TaskSpec(command=["true"]), idempotency_key="k")
+    b, again = await store.submit(TaskSpec(command=["true"]), idempotency_key="k")
+    assert (created, again, b.id) == (True, False, a.id)
+    async with store.pool.acquire() as c:
+        plan = await c.fetchval("EXPLAIN (FORMAT JSON) SELECT id FROM tasks WHERE idempotency_key = 'k'")
+        assert "tasks_idempotency_key" in plan

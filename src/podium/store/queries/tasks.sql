@@ -18,7 +18,7 @@ WITH d AS (
     SELECT id, name, spec::jsonb, 'queued', $13, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, $14,
            spec_name, spec_revision
     FROM d
-    ON CONFLICT (idempotency_key) DO NOTHING
+    ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING *
 ), e AS (
     INSERT INTO task_events (task_id, from_state, to_state, reason, actor)
