@@ -17,11 +17,12 @@ its reports read from what it would send), a real fence keeper process and real 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,11 +194,22 @@ async def test_an_attempt_stopped_by_the_agents_shutdown_is_not_the_tasks_exit(a
     assert (await _end(agent, waiting)).kind == K.FAILED_RETRYABLE and waiting.handle is None
 
 
-def test_the_keeper_says_what_it_killed_and_why() -> None:
+@contextlib.contextmanager
+def _keeper_and_groups(n: int) -> Iterator[tuple[FenceKeeper, list[subprocess.Popen[bytes]]]]:
+    """A fence keeper and `n` live process groups (`sleep`), all gone afterwards."""
     keeper = FenceKeeper(None)
-    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    survivor = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    groups = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(n)]
     try:
+        yield keeper, groups
+    finally:
+        for p in groups:
+            p.kill()
+            p.wait()
+        keeper.close()
+
+
+def test_the_keeper_says_what_it_killed_and_why() -> None:
+    with _keeper_and_groups(2) as (keeper, (victim, survivor)):
         keeper.renew(time.monotonic() + 0.3)
         keeper.add(victim.pid, "task", 7)
         keeper.add(survivor.pid, "task2", 8)
@@ -209,11 +221,6 @@ def test_the_keeper_says_what_it_killed_and_why() -> None:
         assert keeper.killed(7) == "lease expired"
         assert keeper.killed(7) is None  # said once
         assert keeper.killed(8) is None and survivor.poll() is None
-    finally:
-        for p in (victim, survivor):
-            p.kill()
-            p.wait()
-        keeper.close()
 
 
 async def test_an_ended_group_is_told_to_the_keeper_soon_with_nothing_else_to_write() -> None:
@@ -221,10 +228,7 @@ async def test_an_ended_group_is_told_to_the_keeper_soon_with_nothing_else_to_wr
     HOLD_DELS at most: with nothing else written the keeper still hears it before the lease runs out,
     and the lapse kills only the group still fenced (both are alive here: a `del` that never arrived
     would show as a kill)."""
-    keeper = FenceKeeper(None)
-    ended = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    fenced = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    try:
+    with _keeper_and_groups(2) as (keeper, (ended, fenced)):
         keeper.renew(time.monotonic() + 3)
         keeper.add(ended.pid, "ended", 1)
         keeper.add(fenced.pid, "fenced", 2)
@@ -233,20 +237,12 @@ async def test_an_ended_group_is_told_to_the_keeper_soon_with_nothing_else_to_wr
         wait_for(lambda: fenced.poll() is not None, 30, what="the keeper to kill the group still fenced")
         assert keeper.killed(2) == "lease expired"
         assert ended.poll() is None, "the keeper never heard that the group ended"
-    finally:
-        for p in (ended, fenced):
-            p.kill()
-            p.wait()
-        keeper.close()
 
 
 def test_the_keeper_never_kills_a_group_number_another_process_has_taken() -> None:
     # A group registered, ended and reaped while the agent's `del` was on its way; its number is now
     # another process's. Simulated by registering a live group with a start time that is not its own.
-    keeper = FenceKeeper(None)
-    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    mine = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    try:
+    with _keeper_and_groups(2) as (keeper, (other, mine)):
         started = start_time(other.pid)
         assert started
         keeper.renew(time.monotonic() + 0.3)
@@ -255,17 +251,10 @@ def test_the_keeper_never_kills_a_group_number_another_process_has_taken() -> No
         wait_for(lambda: mine.poll() is not None, 30, what="the fence keeper to kill at the deadline")
         assert other.poll() is None, "the keeper killed a group whose number had been reused"
         assert keeper.killed(4) == "lease expired"
-    finally:
-        for p in (other, mine):
-            p.kill()
-            p.wait()
-        keeper.close()
 
 
 def test_a_restarted_keeper_still_reports_its_kills() -> None:
-    keeper = FenceKeeper(None)
-    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    try:
+    with _keeper_and_groups(1) as (keeper, (proc,)):
         keeper.renew(time.monotonic() + 60)
         first = keeper._ensure()
         first.kill()  # the keeper dies; the next command starts another, told everything
@@ -275,7 +264,3 @@ def test_a_restarted_keeper_still_reports_its_kills() -> None:
         keeper.fence_now("superseded")
         wait_for(lambda: proc.poll() is not None, 30, what="the kill")
         wait_for(lambda: keeper.killed(12) is not None or None, 30, what="the new keeper's word")
-    finally:
-        proc.kill()
-        proc.wait()
-        keeper.close()
