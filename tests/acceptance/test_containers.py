@@ -114,6 +114,7 @@ def test_an_image_runs_from_the_registry_with_its_login_pinned_streamed_and_prov
     tid = next(t["id"] for t in api.http.get("/v1/tasks").json() if t["id"] != refused)
     t = api.task(tid)
     assert (t["state"], t["image_digest"]) == ("failed", digest)
+    assert len(t["attempt_list"]) == 1, t["attempt_list"]  # a second attempt: why the first ended
     (attempt,) = t["attempt_list"]
     assert (attempt["backend_kind"], attempt["failure_class"], attempt["exit_code"]) == ("container", "exit", 3)
     cid = attempt["backend_ref"]
