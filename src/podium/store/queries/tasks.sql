@@ -6,7 +6,8 @@
 -- one NOTIFY for dispatch, and one for the resolver loop only if a task has an image tag to resolve
 -- (every other wake-up of it would be a query that finds nothing, on the way of every submit's
 -- placement). ON CONFLICT on the idempotency key makes a retried submit return no row for it; the
--- caller then reads the task the first submit created.
+-- caller then reads the task the first submit created. (Its predicate lets the key's UNIQUE constraint
+-- be replaced by a partial index of the keys alone later: see migration 0014.)
 WITH d AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int[], $5::bigint[], $6::bigint[], $7::bigint[],
                          $8::int[], $9::float8[], $10::int[], $11::bool[], $12::text[], $15::text[], $16::int[])
