@@ -263,6 +263,6 @@ class SubmitRequest(TaskSpec):
 
     def task_spec(self) -> TaskSpec:
         # Every field was validated already, by TaskSpec's own validators (this class adds only the
-        # key): the same values make a valid TaskSpec without validating them again, which was a
-        # third of a submission's CPU in the API (issue 17).
+        # key): the same values make a valid TaskSpec without validating them again, which cost 31.9
+        # µs a task of the ~55 the API's own steps took for a batch, measured alone (issue 17).
         return TaskSpec.model_construct(self.model_fields_set - {"idempotency_key"}, **{k: getattr(self, k) for k in TaskSpec.model_fields})
