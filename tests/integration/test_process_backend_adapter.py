@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -88,3 +89,57 @@ async def test_many_attempts_at_once_each_see_their_own_exit(tmp_path: Path) -> 
     assert [r.exit_code for r in results] == list(range(8))
     for h in handles:
         await b.destroy(h)
+
+
+async def test_a_slow_sink_gets_every_byte_in_order_and_the_agent_holds_little_of_it(tmp_path: Path) -> None:
+    """The output of a task is read only as fast as the sink takes it: while the sink is held, the
+    command blocks on its writes instead of the agent reading its whole output into memory."""
+    b = ProcessBackend()
+    size = 4 * 1024 * 1024
+    script = f"import sys; sys.stdout.buffer.write(bytes(i % 251 for i in range({size}))); sys.stdout.flush()"
+    h = await b.start(spec(sys.executable, "-c", script), {"PATH": os.environ["PATH"]}, tmp_path / "w")
+    held = asyncio.Event()
+    got = bytearray()
+
+    async def sink(stream: str, data: bytes) -> None:
+        assert stream == "stdout"
+        got.extend(data)
+        await held.wait()
+
+    waiter = asyncio.create_task(b.wait(h, sink))
+    await asyncio.sleep(1.0)
+    # one chunk taken, a little buffered, the pipe full: the writer is still writing
+    assert 0 < len(got) < size and not waiter.done()
+    assert os.waitpid(int(h.ref), os.WNOHANG) == (0, 0)
+    held.set()
+    res = await asyncio.wait_for(waiter, 30)
+    assert res.exit_code == 0 and bytes(got) == bytes(i % 251 for i in range(size))
+    await b.destroy(h)
+
+
+async def test_a_command_that_closes_its_output_is_waited_for_until_it_exits(tmp_path: Path) -> None:
+    b = ProcessBackend()
+    h = await b.start(spec("sh", "-c", "exec >/dev/null 2>&1; sleep 0.5; exit 3"), {"PATH": os.environ["PATH"]}, tmp_path / "w")
+    t0 = time.monotonic()
+    res = await asyncio.wait_for(b.wait(h, Output()), 30)
+    assert res.exit_code == 3 and time.monotonic() - t0 >= 0.4
+    await b.destroy(h)
+
+
+async def test_a_command_inherits_no_descriptor_of_the_agent(tmp_path: Path) -> None:
+    """A task holding one of the agent's descriptors could keep the fence keeper's pipe open after
+    the agent died (and the keeper would never kill it): it gets its stdin, stdout and stderr only,
+    even where the agent has a descriptor it could inherit."""
+    r, w = os.pipe()
+    os.set_inheritable(w, True)
+    try:
+        b = ProcessBackend()
+        h = await b.start(spec("sh", "-c", "exec ls /proc/self/fd"), {"PATH": os.environ["PATH"]}, tmp_path / "w")
+        out = Output()
+        res = await asyncio.wait_for(b.wait(h, out), 30)
+    finally:
+        os.close(r)
+        os.close(w)
+    # ls's own: 0, 1, 2 and the directory it lists
+    assert res.exit_code == 0 and sorted(int(fd) for fd in out.data["stdout"].split()) == [0, 1, 2, 3]
+    await b.destroy(h)

@@ -10,6 +10,12 @@ Why not PR_SET_PDEATHSIG in the child, as before: that needs Python code between
 (`preexec_fn`), which forces a full fork of the agent (its threads, its page tables) and runs the
 interpreter in the child — 3.4 ms of the agent's CPU per task here, against 0.4 ms for the vfork that
 `start_new_session` allows (issue 17).
+
+Why not asyncio's subprocess transports: for a short command they cost the agent more than the
+command itself — a transport and a protocol for each pipe, StreamReaders, a task connecting them, a
+child watcher — 0.84-1.1 ms of the agent's CPU a start here against 0.52-0.67 ms for the same
+`subprocess.Popen` (the same vfork, cwd and closed descriptors) with its two pipes read straight off
+the loop and its exit learnt from a pidfd (docs/benchmarks.md, eleventh session).
 """
 
 from __future__ import annotations
@@ -18,44 +24,15 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
-import warnings
+import subprocess
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 CHUNK = 64 * 1024
-
-_PIDFD_WORKS: bool | None = None
-
-
-def watch_exits_by_pidfd() -> None:
-    """Learn of a task's exit from a pidfd on the agent's own loop. Python 3.11's default watcher
-    starts a thread per child to wait for it (0.3-0.5 ms of CPU per task here); 3.12 and later use
-    pidfds by themselves. The watcher is the process's, bound to one loop: only for a process that
-    runs one loop for its life (`podium agent` calls it once its loop runs). Installed anywhere else,
-    a later loop of that process (a library's, a test's) could start no subprocess at all."""
-    global _PIDFD_WORKS
-    if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
-        return
-    if _PIDFD_WORKS is None:  # a kernel before 5.3, or a sandbox that refuses the call: the threads then
-        try:
-            os.close(os.pidfd_open(os.getpid()))
-            _PIDFD_WORKS = True
-        except OSError:
-            _PIDFD_WORKS = False
-    if not _PIDFD_WORKS:
-        return
-    policy = asyncio.get_event_loop_policy()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        watcher = policy.get_child_watcher()
-        if not isinstance(watcher, asyncio.PidfdChildWatcher):
-            watcher = asyncio.PidfdChildWatcher()
-            policy.set_child_watcher(watcher)
-        # attach_loop forgets every child being watched: only for a loop not yet watched (a new one)
-        if not watcher.is_active():
-            watcher.attach_loop(asyncio.get_running_loop())
-
+# bytes read but not yet taken by the sink past which the pipes are not read (the process then
+# blocks on its writes): a slow sink never makes the agent hold a task's whole output
+HIGH_WATER = 2 * CHUNK
 
 OutputSink = Callable[[str, bytes], Awaitable[None]]
 
@@ -65,7 +42,9 @@ class ProcessRun:
         self.command = command
         self.env = env
         self.workdir = workdir
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._pipes: _Pipes | None = None
+        self._exit: asyncio.Future[int] | None = None
         self._stopping = False
 
     @property
@@ -76,31 +55,67 @@ class ProcessRun:
         # the agent has made it already (agent/workdirs.py, before Accepted): for it this only finds it
         # there, which allocates nothing; a caller that starts a run on its own gets it made here
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.command,
-            cwd=str(self.workdir),
-            env=self.env,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # its own session and group (setsid), with no Python in the child
-        )
+        out_r, out_w = os.pipe()  # close-on-exec here; the child gets them as 1 and 2 only
+        err_r, err_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                self.command,
+                cwd=str(self.workdir),
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=err_w,
+                start_new_session=True,  # its own session and group (setsid), with no Python in the child
+            )
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            # only the child writes: its pipes end when it and whatever it started close them
+            os.close(out_w)
+            os.close(err_w)
+        self._pipes = _Pipes(asyncio.get_running_loop(), {out_r: "stdout", err_r: "stderr"})
 
     async def wait(self, sink: OutputSink) -> int:
         """Stream output to `sink` until the process and its pipes are done; return a shell-style exit
         code (128 + signal for a process killed by a signal)."""
-        assert self.proc is not None and self.proc.stdout is not None and self.proc.stderr is not None
-
-        async def pump(stream: asyncio.StreamReader, name: str) -> None:
-            while True:
-                data = await stream.read(CHUNK)
-                if not data:
-                    return
-                await sink(name, data)
-
-        await asyncio.gather(pump(self.proc.stdout, "stdout"), pump(self.proc.stderr, "stderr"))
-        rc = await self.proc.wait()
+        assert self._pipes is not None
+        try:
+            await self._pipes.drain(sink)
+        finally:
+            self._pipes.close()
+        rc = await self._exited()
         return 128 - rc if rc < 0 else rc
+
+    def _exited(self) -> asyncio.Future[int]:
+        """The process's return code once it has exited (and been reaped), for every waiter: the
+        pidfd is readable when it exits; without one (an old kernel, not Linux) a thread waits."""
+        if self._exit is None:
+            assert self.proc is not None
+            loop = asyncio.get_running_loop()
+            proc = self.proc
+            done: asyncio.Future[int] = loop.create_future()
+            self._exit = done
+            rc = proc.poll()  # a short command is often gone by the time its pipes close
+            if rc is not None:
+                done.set_result(rc)
+                return done
+            try:
+                pidfd = os.pidfd_open(proc.pid)
+            except (AttributeError, OSError):
+                loop.run_in_executor(None, proc.wait).add_done_callback(
+                    lambda f: done.set_result(f.result()) if not done.done() else None
+                )
+                return done
+
+            def reap() -> None:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
+                done.set_result(proc.wait())  # it has exited: the wait only reaps it
+
+            loop.add_reader(pidfd, reap)
+        return self._exit
 
     async def stop(self, kill_grace: float) -> None:
         """SIGTERM to the whole group, SIGKILL after `kill_grace` if anything is still there."""
@@ -110,9 +125,74 @@ class ProcessRun:
         pgid = self.proc.pid
         _signal_group(pgid, signal.SIGTERM)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.proc.wait(), timeout=kill_grace)
+            await asyncio.wait_for(asyncio.shield(self._exited()), timeout=kill_grace)
         # the leader may be gone while children in its group live on: kill the group regardless
         _signal_group(pgid, signal.SIGKILL)
+
+
+class _Pipes:
+    """A process's output pipes, read on the loop as they become readable, in the order the bytes
+    arrive; reading stops while HIGH_WATER bytes wait for the sink, and resumes once it has them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, names: dict[int, str]) -> None:
+        self.loop = loop
+        self.names = names  # the pipes still open: fd → stream name
+        self.chunks: deque[tuple[str, bytes]] = deque()
+        self.buffered = 0
+        self.paused = False
+        self.wake: asyncio.Future[None] | None = None
+        for fd in names:
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, self._readable, fd)
+
+    def _readable(self, fd: int) -> None:
+        try:
+            data = os.read(fd, CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""  # nothing more can be read from it
+        if data:
+            self.chunks.append((self.names[fd], data))
+            self.buffered += len(data)
+            if self.buffered >= HIGH_WATER:
+                self._pause()
+        else:
+            self._close(fd)
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+    def _pause(self) -> None:
+        self.paused = True
+        for fd in self.names:
+            self.loop.remove_reader(fd)
+
+    def _resume(self) -> None:
+        self.paused = False
+        for fd in self.names:
+            self.loop.add_reader(fd, self._readable, fd)
+
+    def _close(self, fd: int) -> None:
+        del self.names[fd]
+        self.loop.remove_reader(fd)
+        os.close(fd)
+
+    async def drain(self, sink: OutputSink) -> None:
+        """Hand every chunk to `sink` until both pipes are closed."""
+        while self.names or self.chunks:
+            if not self.chunks:
+                self.wake = self.loop.create_future()
+                await self.wake
+                continue
+            stream, data = self.chunks.popleft()
+            self.buffered -= len(data)
+            await sink(stream, data)
+            if self.paused and self.buffered < HIGH_WATER:
+                self._resume()
+
+    def close(self) -> None:
+        for fd in list(self.names):
+            self._close(fd)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -181,7 +181,6 @@ def agent(
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        watch_exits_by_pidfd()  # this process runs this one loop for its life
         runner = asyncio.create_task(node.run(), name="agent.run")
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -202,7 +201,6 @@ def agent(
             raise exc
 
     from podium.agent.agent import NodeRemoved, Superseded
-    from podium.agent.process_backend import watch_exits_by_pidfd
 
     asyncio.run(main())
 
