@@ -143,3 +143,22 @@ async def test_a_command_inherits_no_descriptor_of_the_agent(tmp_path: Path) -> 
     # ls's own: 0, 1, 2 and the directory it lists
     assert res.exit_code == 0 and sorted(int(fd) for fd in out.data["stdout"].split()) == [0, 1, 2, 3]
     await b.destroy(h)
+
+
+async def test_a_wait_cancelled_leaves_the_exit_for_the_stop_that_follows(tmp_path: Path) -> None:
+    """The agent's attempt task cancelled while it waits (the agent shutting down) still stops the
+    command and reaps it: the exit is not lost with the cancelled waiter (here it waits for the exit: the output is closed)."""
+    b = ProcessBackend()
+    h = await b.start(spec("sh", "-c", "echo ready; exec sleep 30 >/dev/null 2>&1"), {"PATH": os.environ["PATH"]}, tmp_path / "w")
+    out = Output()
+    waiter = asyncio.create_task(b.wait(h, out))
+    async with asyncio.timeout(30):
+        while b"ready" not in out.data["stdout"]:
+            await asyncio.sleep(0.02)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.wait_for(b.stop(h, kill_grace=5.0), 10)  # SIGTERM ends sleep at once: no grace spent
+    await b.destroy(h)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(int(h.ref), 0)

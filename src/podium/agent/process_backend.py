@@ -85,7 +85,7 @@ class ProcessRun:
             await self._pipes.drain(sink)
         finally:
             self._pipes.close()
-        rc = await self._exited()
+        rc = await asyncio.shield(self._exited())  # a cancelled waiter leaves it for the next (stop)
         return 128 - rc if rc < 0 else rc
 
     def _exited(self) -> asyncio.Future[int]:
@@ -112,7 +112,9 @@ class ProcessRun:
             def reap() -> None:
                 loop.remove_reader(pidfd)
                 os.close(pidfd)
-                done.set_result(proc.wait())  # it has exited: the wait only reaps it
+                rc = proc.wait()  # it has exited: the wait only reaps it
+                if not done.done():
+                    done.set_result(rc)
 
             loop.add_reader(pidfd, reap)
         return self._exit
