@@ -162,3 +162,19 @@ async def test_a_wait_cancelled_leaves_the_exit_for_the_stop_that_follows(tmp_pa
     await b.destroy(h)
     with pytest.raises(ProcessLookupError):
         os.killpg(int(h.ref), 0)
+
+
+async def test_without_pidfds_the_exits_are_still_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel before 5.3 (or a sandbox that refuses pidfd_open): a thread waits for each exit."""
+
+    def refused(pid: int, flags: int = 0) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", refused)
+    b = ProcessBackend()
+    env = {"PATH": os.environ["PATH"]}
+    handles = [await b.start(spec("sh", "-c", f"exec >/dev/null 2>&1; sleep 0.{3 - i}; exit {i}"), env, tmp_path / f"w{i}") for i in range(3)]
+    results = await asyncio.wait_for(asyncio.gather(*(b.wait(h, Output()) for h in handles)), 30)
+    assert [r.exit_code for r in results] == [0, 1, 2]
+    for h in handles:
+        await b.destroy(h)

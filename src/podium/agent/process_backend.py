@@ -25,6 +25,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -101,20 +102,28 @@ class ProcessRun:
             if rc is not None:
                 done.set_result(rc)
                 return done
+
+            def exited(rc: int) -> None:
+                if not done.done():
+                    done.set_result(rc)
+
             try:
                 pidfd = os.pidfd_open(proc.pid)
             except (AttributeError, OSError):
-                loop.run_in_executor(None, proc.wait).add_done_callback(
-                    lambda f: done.set_result(f.result()) if not done.done() else None
-                )
+                # a thread of its own, not the loop's executor: a long task would hold one of its few
+                # workers for its whole run (and the working directories' removals queue behind them)
+                def wait() -> None:
+                    rc = proc.wait()
+                    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                        loop.call_soon_threadsafe(exited, rc)
+
+                threading.Thread(target=wait, name=f"wait-{proc.pid}", daemon=True).start()
                 return done
 
             def reap() -> None:
                 loop.remove_reader(pidfd)
                 os.close(pidfd)
-                rc = proc.wait()  # it has exited: the wait only reaps it
-                if not done.done():
-                    done.set_result(rc)
+                exited(proc.wait())  # it has exited: the wait only reaps it
 
             loop.add_reader(pidfd, reap)
         return self._exit
