@@ -173,8 +173,31 @@ async def test_without_pidfds_the_exits_are_still_seen(tmp_path: Path, monkeypat
     monkeypatch.setattr(os, "pidfd_open", refused)
     b = ProcessBackend()
     env = {"PATH": os.environ["PATH"]}
-    handles = [await b.start(spec("sh", "-c", f"exec >/dev/null 2>&1; sleep 0.{3 - i}; exit {i}"), env, tmp_path / f"w{i}") for i in range(3)]
+    # each closes its output at once: its exit is all there is to wait for
+    script = "exec >/dev/null 2>&1; sleep 0.{}; exit {}"
+    handles = [await b.start(spec("sh", "-c", script.format(3 - i, i)), env, tmp_path / f"w{i}") for i in range(3)]
     results = await asyncio.wait_for(asyncio.gather(*(b.wait(h, Output()) for h in handles)), 30)
     assert [r.exit_code for r in results] == [0, 1, 2]
     for h in handles:
         await b.destroy(h)
+
+
+async def test_a_start_out_of_descriptors_gives_back_what_it_took(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node out of descriptors fails the start with the error, and leaks none of its own (a leak
+    there would keep the node out of them for good)."""
+    from podium.agent.process_backend import ProcessRun
+
+    real_pipe, calls = os.pipe, []
+
+    def second_fails() -> tuple[int, int]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(24, "Too many open files")
+        return real_pipe()
+
+    before = sorted(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "pipe", second_fails)
+    with pytest.raises(OSError, match="Too many open files"):
+        await ProcessRun(["true"], {"PATH": os.environ["PATH"]}, tmp_path / "w").start()
+    monkeypatch.undo()
+    assert len(calls) == 2 and sorted(os.listdir("/proc/self/fd")) == before

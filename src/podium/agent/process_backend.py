@@ -57,7 +57,12 @@ class ProcessRun:
         # there, which allocates nothing; a caller that starts a run on its own gets it made here
         self.workdir.mkdir(parents=True, exist_ok=True)
         out_r, out_w = os.pipe()  # close-on-exec here; the child gets them as 1 and 2 only
-        err_r, err_w = os.pipe()
+        try:
+            err_r, err_w = os.pipe()
+        except OSError:  # out of descriptors: give back the first pair
+            os.close(out_r)
+            os.close(out_w)
+            raise
         try:
             self.proc = subprocess.Popen(
                 self.command,
