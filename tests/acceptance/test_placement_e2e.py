@@ -128,12 +128,19 @@ def test_gpu_tasks_see_only_their_devices(cluster: Cluster, tmp_path: Path) -> N
     cluster.agent("gpu", extra_env={"PATH": f"{bindir}:{os.environ['PATH']}"})
     cluster.api.wait_node("gpu", 30, connected=True)
     assert cluster.api.nodes()[0]["gpu_indexes"] == [0, 1]
-    one = cli(srv.api, "run", "--detach", "--gpus", "1", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES; sleep 3").stdout.strip()
-    two = cli(srv.api, "run", "--detach", "--gpus", "1", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES; sleep 3").stdout.strip()
+    # the first two hold their GPUs until the test has seen the third wait for one (a sleep of a fixed
+    # length ran out on a slow machine before the third was even submitted), for two minutes at most
+    release = tmp_path / "release"
+    hold = f"echo $CUDA_VISIBLE_DEVICES; for i in $(seq 1200); do [ -e '{release}' ] && exit 0; sleep 0.1; done"
+    one = cli(srv.api, "run", "--detach", "--gpus", "1", "--", "sh", "-c", hold).stdout.strip()
+    two = cli(srv.api, "run", "--detach", "--gpus", "1", "--", "sh", "-c", hold).stdout.strip()
     three = cli(srv.api, "run", "--detach", "--gpus", "1", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES").stdout.strip()
     cluster.api.wait_state(one, "running", 60)
     cluster.api.wait_state(two, "running", 60)
     wait_for(lambda: cluster.api.task(three)["reason"] == reasons.NO_GPU, 30)
+    assert cluster.api.task(three)["state"] == "queued"
+    release.touch()
+    assert {cluster.api.wait_state(t, "succeeded", 60)["state"] for t in (one, two)} == {"succeeded"}
     seen = {cli(srv.api, "logs", t).stdout.strip() for t in (one, two)}
     assert seen == {"0", "1"}
     cluster.api.wait_state(three, "succeeded", 60)
