@@ -107,7 +107,10 @@ async def test_a_slow_sink_gets_every_byte_in_order_and_the_agent_holds_little_o
         await held.wait()
 
     waiter = asyncio.create_task(b.wait(h, sink))
-    await asyncio.sleep(1.0)
+    async with asyncio.timeout(30):  # the interpreter's start, however slow the machine
+        while not got:
+            await asyncio.sleep(0.02)
+    await asyncio.sleep(0.5)  # what an unbounded reader would take meanwhile: all 4 MiB, in milliseconds
     # one chunk taken, a little buffered, the pipe full: the writer is still writing
     assert 0 < len(got) < size and not waiter.done()
     assert os.waitpid(int(h.ref), os.WNOHANG) == (0, 0)
