@@ -13,9 +13,10 @@ interpreter in the child — 3.4 ms of the agent's CPU per task here, against 0.
 
 Why not asyncio's subprocess transports: for a short command they cost the agent more than the
 command itself — a transport and a protocol for each pipe, StreamReaders, a task connecting them, a
-child watcher — 0.84-1.1 ms of the agent's CPU a start here against 0.52-0.67 ms for the same
+child watcher — 0.74-0.94 ms of the agent's CPU a start here against 0.44-0.49 ms for the same
 `subprocess.Popen` (the same vfork, cwd and closed descriptors) with its two pipes read straight off
-the loop and its exit learnt from a pidfd (docs/benchmarks.md, eleventh session).
+the loop and its exit learnt from a pidfd (bench/process_start.py; docs/benchmarks.md, eleventh
+session).
 """
 
 from __future__ import annotations
