@@ -156,6 +156,13 @@ def test_offsets_let_a_client_resume_exactly(cluster: Cluster) -> None:
         assert r.status_code == 422 and word in r.json()["error"], (bad, r.text)
 
 
+# The server is down while the task writes, then starts again, and the agent must reconnect before
+# its fence (two heartbeats short of OfflineAfter, from its last acknowledged heartbeat) kills the
+# task: 6.5-10 s with tenfold timers, which a slow machine's writes, start and reconnect can use up.
+# Timers three times faster in every process of these tests: the fence is 21 s or more into it.
+GENTLER = {"PODIUM_TEST_TIMER_DIVISOR": "3"}
+
+
 def kill_and_restart_while_writing(cluster: Cluster, srv: Server, written: Path) -> Server:
     """SIGKILL the server while a task writes to `written`; once it has written more with no server
     to send it to (the agent keeps it and sends it again to the next server), start it again."""
@@ -163,12 +170,12 @@ def kill_and_restart_while_writing(cluster: Cluster, srv: Server, written: Path)
     srv.p.wait(10)  # type: ignore[union-attr]
     at_kill = written.stat().st_size
     wait_for(lambda: written.stat().st_size > at_kill + 2000, 60, what="output written while the server is down")
-    return cluster.server(port=srv.port, grpc_port=srv.grpc_port)
+    return cluster.server(port=srv.port, grpc_port=srv.grpc_port, extra_env=GENTLER)
 
 
 def test_output_survives_a_server_killed_mid_output(cluster: Cluster, tmp_path: Path) -> None:
-    srv = cluster.server()
-    cluster.agent("a1")
+    srv = cluster.server(extra_env=GENTLER)
+    cluster.agent("a1", extra_env=GENTLER)
     stop, written = tmp_path / "stop", tmp_path / "written"
     # it writes until told to stop (so output is written while the server is down), then a burst;
     # `tee` keeps what it wrote, to compare with what was stored
@@ -205,8 +212,8 @@ def test_output_survives_a_server_killed_mid_output(cluster: Cluster, tmp_path: 
 def test_podium_run_survives_a_server_restart_mid_output(cluster: Cluster, tmp_path: Path) -> None:
     """`podium run` follows the server's log stream; killed and restarted under it, the stream is
     resumed after the last chunk it printed: the bytes exact, none twice, and the task's exit code."""
-    srv = cluster.server()
-    cluster.agent("a1")
+    srv = cluster.server(extra_env=GENTLER)
+    cluster.agent("a1", extra_env=GENTLER)
     stop, written = tmp_path / "stop", tmp_path / "written"
     script = (f"( i=0; while [ ! -e {stop} ]; do i=$((i+1)); echo before $i; sleep 0.005; done; "
               f"seq 1 20000 | sed 's/^/after /'; printf '\\377\\376 no newline' ) | tee {written}; exit 7")  # fmt: skip
