@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from podium import reasons
 from tests.acceptance.conftest import Cluster
@@ -14,12 +15,16 @@ from tests.acceptance.test_faults import running_on
 from tests.harness import base_env, cli, wait_for
 
 
-def test_drain_wait_returns_when_running_work_has_finished(cluster: Cluster) -> None:
+def test_drain_wait_returns_when_running_work_has_finished(cluster: Cluster, tmp_path: Path) -> None:
     srv = cluster.server()
     a = cluster.agent("n1")
     node_id = a.node_id()
     cluster.api.wait_node("n1", drain_phase="active", connected=True)
-    tid = cluster.api.submit(command=["sh", "-c", "sleep 4; echo done"])["id"]
+    # the task runs until the test lets it end (at most 120 s): a fixed sleep could end before a slow
+    # machine had started the waiter and seen the node draining
+    release = tmp_path / "release"
+    hold = f"for i in $(seq 1200); do [ -e '{release}' ] && break; sleep 0.1; done; echo done"
+    tid = cluster.api.submit(command=["sh", "-c", hold])["id"]
     running_on(cluster, tid, "n1")
 
     env = base_env(PODIUM_ADDR=srv.api, PODIUM_TOKEN=srv.admin_token)
@@ -29,13 +34,13 @@ def test_drain_wait_returns_when_running_work_has_finished(cluster: Cluster) -> 
         # while the task runs the node is draining, not drained, and the waiter keeps waiting
         node = cluster.api.wait_node("n1", draining=True)
         assert node["drain_phase"] == "draining"
-        # the CLI shows the phase (drained already, if the task ended while a slow machine got here)
         listed = cli(srv.api, "nodes").stdout
-        assert "draining" in listed or "drained" in listed, listed
+        assert "draining" in listed, listed
         queued = cluster.api.submit(command=["true"])["id"]
         wait_for(lambda: cluster.api.task(queued)["reason"] == reasons.ALL_DRAINING, 30, what="the draining sentence")
-        if cluster.api.task(tid)["state"] == "running":
-            assert waiter.poll() is None, "drain --wait returned while a task still ran on the node"
+        assert cluster.api.task(tid)["state"] == "running"
+        assert waiter.poll() is None, "drain --wait returned while a task still ran on the node"
+        release.touch()
         stdout, stderr = waiter.communicate(timeout=60)
     finally:
         if waiter.poll() is None:
