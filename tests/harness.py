@@ -198,6 +198,12 @@ class Agent(Proc):
         return [json.loads(line) for line in self.journal.read_text().splitlines() if line.strip()]
 
 
+def held_until(release: Path) -> str:
+    """A shell loop that runs until `release` exists (two minutes at most): a task that holds what it
+    has until the test lets it go, instead of a sleep of a fixed length a slow machine can outlast."""
+    return f"for i in $(seq 1200); do [ -e '{release}' ] && break; sleep 0.1; done"
+
+
 class Api:
     def __init__(self, base: str, token: str | None = None, ca_file: Path | None = None) -> None:
         self.base = base

@@ -12,7 +12,7 @@ from pathlib import Path
 from podium import reasons
 from tests.acceptance.conftest import Cluster
 from tests.acceptance.test_faults import running_on
-from tests.harness import base_env, cli, wait_for
+from tests.harness import base_env, cli, held_until, wait_for
 
 
 def test_drain_wait_returns_when_running_work_has_finished(cluster: Cluster, tmp_path: Path) -> None:
@@ -23,7 +23,7 @@ def test_drain_wait_returns_when_running_work_has_finished(cluster: Cluster, tmp
     # the task runs until the test lets it end (at most 120 s): a fixed sleep could end before a slow
     # machine had started the waiter and seen the node draining
     release = tmp_path / "release"
-    hold = f"for i in $(seq 1200); do [ -e '{release}' ] && break; sleep 0.1; done; echo done"
+    hold = f"{held_until(release)}; echo done"
     tid = cluster.api.submit(command=["sh", "-c", hold])["id"]
     running_on(cluster, tid, "n1")
 

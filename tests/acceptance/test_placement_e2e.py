@@ -10,7 +10,7 @@ from pathlib import Path
 
 from podium import reasons
 from tests.acceptance.conftest import Cluster
-from tests.harness import cli, wait_for
+from tests.harness import cli, held_until, wait_for
 
 
 def show(addr: str, tid: str) -> dict:
@@ -131,7 +131,7 @@ def test_gpu_tasks_see_only_their_devices(cluster: Cluster, tmp_path: Path) -> N
     # the first two hold their GPUs until the test has seen the third wait for one (a sleep of a fixed
     # length ran out on a slow machine before the third was even submitted), for two minutes at most
     release = tmp_path / "release"
-    hold = f"echo $CUDA_VISIBLE_DEVICES; for i in $(seq 1200); do [ -e '{release}' ] && exit 0; sleep 0.1; done"
+    hold = f"echo $CUDA_VISIBLE_DEVICES; {held_until(release)}"
     one = cli(srv.api, "run", "--detach", "--gpus", "1", "--", "sh", "-c", hold).stdout.strip()
     two = cli(srv.api, "run", "--detach", "--gpus", "1", "--", "sh", "-c", hold).stdout.strip()
     three = cli(srv.api, "run", "--detach", "--gpus", "1", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES").stdout.strip()
