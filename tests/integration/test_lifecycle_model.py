@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 from podium import protocol, reasons
 from podium.errors import Contention
 from podium.scheduler import policy
-from podium.scheduler.apply import facts
+from podium.scheduler.apply import change, facts
 from podium.scheduler.service import Scheduler
 from podium.spec import TaskSpec
 from podium.states import ALLOWED, ATTEMPT_LIVE, ON_NODE, TERMINAL, TaskState
@@ -552,6 +552,21 @@ class Model:
         elif a.signer == "wrong_node":
             others = [n for n in self.nodes if n != node]
             node = others[a.other % len(others)]
+        if a.kind == protocol.PROVISIONING:
+            # the gateway's acceptance first: decided on the row it expects, made without reading it
+            assigned = policy.TaskFacts(state=S.ASSIGNED)
+            accept = policy.on_node_event(assigned, a.kind, None, T)
+            assert accept is not None
+            [made] = self.run(self.store.transition_expected(
+                [change(tid, S.ASSIGNED, accept, actor=f"node:{node}", fencing_token=token, node_id=node)]
+            ))  # fmt: skip
+            as_expected = a.signer == "current" and row["node_id"] is not None and row["state"] == S.ASSIGNED
+            assert (made is not None) == as_expected, f"{a!r} (token {token} from {node}) on a {row['state']} task: {made}"
+            if made is not None:
+                assert self.world().tasks[tid]["state"] == accept.to
+                return f"{self.label(tid)}: assigned → {accept.to} as expected (token {token} from {node})"
+            assert self.world().raw == before.raw, f"a refused acceptance {a!r} changed the database"
+            # refused: decided on the row as read, as every other report is
         f = facts(TaskFactsRow.of(row))  # the world's row is a plain dict
         step = policy.on_node_event(f, a.kind, a.code if a.kind == protocol.EXITED else None, T)
         done = self.run(self.sched.applier.apply(tid, f.state, step, actor=f"node:{node}", fencing_token=token, node_id=node))
@@ -698,8 +713,19 @@ class Model:
         raise AssertionError(f"cannot race {a!r}")
 
     async def _gateway_event(self, sched: Scheduler, tid: uuid.UUID, token: int, node: str, kind: str, code: int) -> str:
-        """What `Gateway._on_event` does with a node's report: read, refuse a stale token or a foreign
-        node, decide, compare-and-set; read again if the task moved in between."""
+        """What the gateway's report batcher does with a node's report: an acceptance first as expected
+        (one compare-and-set that the task is assigned to this node under this token, no read); else,
+        or if the row refuses it, read, refuse a stale token or a foreign node, decide, compare-and-set;
+        read again if the task moved in between."""
+        if kind == protocol.PROVISIONING:
+            assigned = policy.TaskFacts(state=S.ASSIGNED)
+            step = policy.on_node_event(assigned, kind, None, T)
+            assert step is not None
+            [made] = await self.store.transition_expected(
+                [change(tid, S.ASSIGNED, step, actor=f"node:{node}", fencing_token=token, node_id=node)]
+            )
+            if made is not None:
+                return f"{kind}: assigned → {step.to} (as expected)"
         for _ in range(5):
             row = await self.store.get_task(tid)
             if row.fencing_token != token or row.node_id != node:

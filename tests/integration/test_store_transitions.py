@@ -294,6 +294,61 @@ async def test_a_change_through_running_records_the_start_and_the_end_in_one_wri
     assert await store.transition(through) is None
 
 
+async def test_changes_made_as_expected_are_each_their_own_compare_and_set(store: Store) -> None:
+    """transition_expected: changes decided on what the rows are expected to hold, with no read, in one
+    statement. A row as expected takes its change exactly as a read-and-decide would make it; a row
+    holding anything else (another state, token or node) refuses it and is left untouched, events
+    and revision included. A change that frees capacity, or two of one task, is refused before the
+    database is touched."""
+    from podium.store import Change
+
+    await add_node(store, "n1", slots=4)
+    await add_node(store, "n2", slots=4)
+    ids = [await submit(store) for _ in range(5)]
+    out = await place(store)
+    where = {tid: (node, tok) for tid, node, tok in out.assigned}
+    assert set(where) == set(ids)
+    a, b, c, d, e = ids
+    assert await store.transition_task(e, S.ASSIGNED, S.CANCELLING, actor="operator", reason=reasons.CANCELLED)
+
+    def accept(t: object, token: int, node: str) -> Change:
+        return Change(t, S.ASSIGNED, S.PROVISIONING, actor=f"node:{node}", fencing_token=token, node_id=node,
+                      attempt_state=AttemptState.PROVISIONING, lease_seconds=60.0)  # fmt: skip
+
+    before = {t: await snapshot(store, t) for t in ids}
+    changes = [
+        accept(d, where[d][1], where[d][0]),
+        accept(a, where[a][1], where[a][0]),
+        accept(b, where[b][1] + 1000, where[b][0]),  # a token the task never had
+        accept(c, where[c][1], "nobody"),  # another node's word
+        accept(e, where[e][1], where[e][0]),  # no longer assigned: cancelled meanwhile
+    ]
+    results = await store.transition_expected(changes)
+    assert [r is not None for r in results] == [True, True, False, False, False]
+    assert [(r.task_id, r.fencing_token, r.attempt_node) for r in results[:2] if r] == [
+        (d, where[d][1], where[d][0]), (a, where[a][1], where[a][0])
+    ]  # fmt: skip
+    for t in (a, d):
+        task, attempts, events, _nodes = await snapshot(store, t)
+        assert (task["state"], task["revision"]) == ("provisioning", before[t][0]["revision"] + 1)
+        assert task["lease_expires_at"] is not None
+        assert (attempts[-1]["state"], attempts[-1]["provisioning_at"] is not None) == ("provisioning", True)
+        assert [(ev["from_state"], ev["to_state"], ev["actor"]) for ev in events][-1] == (
+            "assigned", "provisioning", f"node:{where[t][0]}"
+        )  # fmt: skip
+    for t in (b, c, e):
+        assert (await snapshot(store, t))[:3] == before[t][:3]  # refused: not a byte of it written
+    # made once: the same again is refused like any stale change
+    assert await store.transition_expected(changes[:2]) == [None, None]
+    with pytest.raises(ValueError, match="capacity"):
+        await store.transition_expected([Change(b, S.ASSIGNED, S.SUCCEEDED, actor="node", fencing_token=where[b][1],
+                                                node_id=where[b][0], exit_code=0, end_attempt=AttemptState.EXITED)])  # fmt: skip
+    with pytest.raises(ValueError, match="one change per task"):
+        await store.transition_expected([accept(b, where[b][1], where[b][0])] * 2)
+    assert (await snapshot(store, b))[:3] == before[b][:3]
+    assert await store.transition_expected([]) == []
+
+
 async def test_a_decided_group_commit_reads_under_the_locks_it_writes_under(store: Store) -> None:
     """transition_decided: the tasks are locked by the statement that reads them, so a change elsewhere
     either commits before the read (and is what `decide` sees) or waits for the commit; their nodes

@@ -628,6 +628,31 @@ class Store:
             return await self._made_in_layers(conn, changes, rows)
 
     @_retried
+    async def transition_expected(self, changes: Sequence[Change]) -> list[Transition | None]:
+        """Compare-and-sets decided on what each task's row is expected to hold, without reading it:
+        one statement, committed on its own (no BEGIN, no read, no COMMIT of its own: one round trip
+        where `transition_decided` takes four). Each change checks what it was decided on itself —
+        its `from`, its token, its node — and a row holding anything else refuses it (None) and is
+        left exactly as it was; the caller decides those again on a read. At most one change per task.
+
+        Only for changes that free nothing: an end frees its node's capacity, and a node's row is
+        locked in id order before any of its tasks' ends is written (`transition_decided`). The task
+        rows are taken in id order, as every batch takes them."""
+        if not changes:
+            return []
+        if any(c.end_attempt is not None for c in changes):
+            raise ValueError("an end frees its node's capacity: it is made under the node's lock (transition_decided)")
+        if len({c.task_id for c in changes}) != len(changes):
+            raise ValueError("one change per task: a task's later change depends on whether its first was made")
+        rows = sorted((c.row() for c in changes), key=lambda r: r[0])
+        async with self._conn() as conn:
+            made = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], *_columns(rows))}
+        return [
+            None if (r := made.get(c.task_id)) is None else Transition(r["id"], r["fencing_token"], r["attempt_node"])
+            for c in changes
+        ]
+
+    @_retried
     async def transition_decided(
         self,
         task_ids: Sequence[uuid.UUID],
