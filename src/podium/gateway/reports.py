@@ -6,6 +6,12 @@ task's in arrival order (its `running` and its end together, see `take_round_rob
 tasks under their locks in one statement, lets the policy decide each, and applies them in the same
 transaction (`Store.transition_decided`: one commit). Before a batch that ends attempts it awaits the
 log flusher it was given: an attempt's output is stored before its end.
+
+A batch's acceptances (a task's lone `provisioning`: the node waits for its Accepted before it starts
+the task) do not wait for that read: each is decided on what its row is expected to hold — the task
+assigned to this node under this token — and made by one compare-and-set that checks exactly that
+(`Store.transition_expected`: one round trip and its commit, beside the rest of the batch). What a row
+does not confirm is decided again on a read, as every other report is.
 """
 
 from __future__ import annotations
@@ -173,6 +179,47 @@ class ReportBatcher:
         # node, told its end is recorded, forgets no output that is not)
         if any(p.final for _s, p in batch) and not await self.flush_logs():
             raise StoreUnavailable("the output sent before these ends is not stored yet")
+        expected, rest = _acceptances(batch)
+        if not expected:
+            await self._apply_read(rest)
+            return
+        # on two connections at once: the acceptances are other tasks' rows than the rest's
+        accepted, read = await asyncio.gather(self._accept_expected(expected), self._apply_read(rest), return_exceptions=True)
+        for failed in (accepted, read):
+            if isinstance(failed, BaseException):
+                # Both have ended: the caller puts the whole batch back. What either made is refused
+                # when it comes back, and decided again on its row: an acceptance already recorded is
+                # accepted again, an end already recorded acknowledged.
+                raise failed
+        assert isinstance(accepted, list)
+        self._put_back(accepted)  # what its row did not confirm: read in the next batch
+
+    async def _accept_expected(self, batch: list[tuple[Session, Pending]]) -> list[tuple[Session, Pending]]:
+        """Acceptances decided on the row each expects (its task assigned to this node under this
+        token), made without reading it. Returns those their rows refused, to be decided on a read."""
+        assigned = TaskFacts(state=TaskState.ASSIGNED)
+        changes = []
+        for s, p in batch:
+            step = policy.on_node_event(assigned, p.kind, None, self.timing)
+            assert step is not None, "the policy accepts a provisioning of an assigned task"
+            changes.append(change(p.task_id, assigned.state, step, actor=f"node:{s.node_id}",
+                                  fencing_token=p.event.fencing_token, node_id=s.node_id))  # fmt: skip
+        results = await self.store.transition_expected(changes)
+        metrics.NODE_REPORT_BATCH.observe(len(batch))
+        refused: list[tuple[Session, Pending]] = []
+        for (s, p), done in zip(batch, results, strict=True):
+            if done is None:
+                p.tries += 1  # not as expected: read next time
+                refused.append((s, p))
+                continue
+            metrics.NODE_REPORTS.labels("applied").inc()
+            self._answer(s, p, applied=True)
+        return refused
+
+    async def _apply_read(self, batch: list[tuple[Session, Pending]]) -> None:
+        """Reports decided on their tasks as read under their locks, and made in the same transaction."""
+        if not batch:
+            return
         plan: _Plan | None = None
 
         def decide(rows: Mapping[uuid.UUID, TaskFactsRow]) -> list[Change]:
@@ -280,6 +327,21 @@ class ReportBatcher:
             accepted(s, p.event.task_id, p.event.fencing_token)
         if p.final:
             s.send(pb.ServerMessage(ack=pb.Ack(task_id=p.event.task_id, fencing_token=p.event.fencing_token)))
+
+
+def _acceptances(batch: list[tuple[Session, Pending]]) -> tuple[list[tuple[Session, Pending]], list[tuple[Session, Pending]]]:
+    """The batch's acceptances to make as expected (a task's only report in the batch, its first
+    try), and the rest. A task with several reports here, or one its row already refused once, is
+    read: what follows depends on what it holds."""
+    per_task: dict[uuid.UUID, int] = {}
+    for _s, p in batch:
+        per_task[p.task_id] = per_task.get(p.task_id, 0) + 1
+    expected: list[tuple[Session, Pending]] = []
+    rest: list[tuple[Session, Pending]] = []
+    for s, p in batch:
+        lone = p.kind == protocol.PROVISIONING and per_task[p.task_id] == 1 and p.tries == 0
+        (expected if lone else rest).append((s, p))
+    return expected, rest
 
 
 def _through_running(first: Change, then: Change) -> Change | None:
