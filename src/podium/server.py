@@ -25,6 +25,7 @@ from podium import metrics
 from podium.api.app import create_app
 from podium.api.ui import close as close_ui
 from podium.gateway.service import Gateway
+from podium.heap import freeze_startup
 from podium.pressure import DEFAULT_MAX_LAG, Pressure
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.scheduler.apply import Applier
@@ -199,6 +200,7 @@ class PodiumServer:
                          self.server_id, scheme, self.cfg.host, self.cfg.port, self.cfg.grpc_host, self.cfg.grpc_port,
                          "" if tls else " (no TLS: loopback use only)")  # fmt: skip
                 self.started.set()
+                freeze_startup()  # everything the server keeps is built: out of the collector's sight
             done, _ = await asyncio.wait(tasks | {stopper}, return_when=asyncio.FIRST_COMPLETED)
             died = [t for t in done if t is not stopper]
             for t in died:

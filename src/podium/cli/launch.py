@@ -181,6 +181,7 @@ def agent(
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        freeze_startup()  # the agent and its backends are built: out of the collector's sight
         runner = asyncio.create_task(node.run(), name="agent.run")
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -201,6 +202,7 @@ def agent(
             raise exc
 
     from podium.agent.agent import NodeRemoved, Superseded
+    from podium.heap import freeze_startup
 
     asyncio.run(main())
 
