@@ -636,8 +636,9 @@ class Store:
         left exactly as it was; the caller decides those again on a read. At most one change per task.
 
         Only for changes that free nothing: an end frees its node's capacity, and a node's row is
-        locked in id order before any of its tasks' ends is written (`transition_decided`). The task
-        rows are taken in id order, as every batch takes them."""
+        locked in id order before any of its tasks' ends is written (`transition_decided`). The rows
+        are given in id order, the order every batch takes its tasks in; should PostgreSQL still find
+        a deadlock with another writer, it refuses this statement and it is run again."""
         if not changes:
             return []
         if any(c.end_attempt is not None for c in changes):
