@@ -576,6 +576,9 @@ class Agent:
         env = {s.env: s.value for s in asg.secrets}
         # held in memory for this attempt only: never logged, never written to the node's disk
         logins = [RegistryAuth(r.registry, r.username, r.password) for r in asg.registries]
+        # Accepted, the start's go-ahead, waits for this: queued in the turn that read the Assign, not
+        # in the next one, when the attempt's task first runs
+        self._event(a, K.PROVISIONING)
         a.runner = asyncio.get_running_loop().create_task(
             self._run(a, env, list(asg.gpu_indexes), logins), name=f"agent.task.{a.task_id}"
         )
@@ -605,7 +608,7 @@ class Agent:
         return backend.run_spec(RunSpec(a.task_id, a.token, a.attempt), a.spec, ids, secret_env, gpus, logins, workdir)
 
     async def _run(self, a: Attempt, secret_env: dict[str, str], gpus: list[int], logins: list[RegistryAuth] | None = None) -> None:
-        self._event(a, K.PROVISIONING)
+        """An attempt whose `provisioning` is already sent: prepared, started once Accepted, waited for."""
         kind = a.spec.get("backend") or "process"
         backend = self.backends.get(kind)
         workdir = self.workdir / f"{a.task_id}-{a.token}"
