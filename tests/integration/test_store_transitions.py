@@ -25,6 +25,17 @@ async def snapshot(store: Store, tid: object) -> tuple:
     return dict(task), [dict(a) for a in attempts], [dict(e) for e in events], [dict(n) for n in nodes]
 
 
+async def placed_on_two_nodes(store: Store, n: int) -> tuple[list[Any], dict[Any, tuple[str, int]]]:
+    """`n` tasks submitted and placed on two nodes of 4 slots each: their ids, and each one's (node, token)."""
+    await add_node(store, "n1", slots=4)
+    await add_node(store, "n2", slots=4)
+    ids = [await submit(store) for _ in range(n)]
+    out = await place(store)
+    where = {tid: (node, tok) for tid, node, tok in out.assigned}
+    assert set(where) == set(ids)
+    return ids, where
+
+
 async def to_state(store: Store, target: TaskState) -> tuple[object, int | None]:
     """A task brought to `target` through legal transitions; returns (id, fencing token)."""
     await add_node(store)
@@ -181,12 +192,7 @@ async def test_a_group_commit_gives_each_change_the_answer_it_would_get_alone(st
     foreign node refuses that change only; the accepted ones free capacity exactly as alone."""
     from podium.store import Change
 
-    await add_node(store, "n1", slots=4)
-    await add_node(store, "n2", slots=4)
-    ids = [await submit(store) for _ in range(4)]
-    out = await place(store)
-    where = {tid: (node, tok) for tid, node, tok in out.assigned}
-    assert set(where) == set(ids)
+    ids, where = await placed_on_two_nodes(store, 4)
     a, b, c, d = ids
     changes = [
         Change(a, S.ASSIGNED, S.SUCCEEDED, actor="node", fencing_token=where[a][1], node_id=where[a][0],
@@ -302,12 +308,7 @@ async def test_changes_made_as_expected_are_each_their_own_compare_and_set(store
     database is touched."""
     from podium.store import Change
 
-    await add_node(store, "n1", slots=4)
-    await add_node(store, "n2", slots=4)
-    ids = [await submit(store) for _ in range(5)]
-    out = await place(store)
-    where = {tid: (node, tok) for tid, node, tok in out.assigned}
-    assert set(where) == set(ids)
+    ids, where = await placed_on_two_nodes(store, 5)
     a, b, c, d, e = ids
     assert await store.transition_task(e, S.ASSIGNED, S.CANCELLING, actor="operator", reason=reasons.CANCELLED)
 
