@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -74,8 +74,15 @@ class ProtocolNode:
 
     def next(self, kind: str, timeout: float = 30) -> pb.ServerMessage:
         """The next message of this kind (welcome, assign, cancel, ack, …), skipping others."""
+        return self.until(lambda m: m.WhichOneof("kind") == kind, timeout, what=kind)[-1]
+
+    def until(
+        self, last: Callable[[pb.ServerMessage], bool], timeout: float = 30, what: str = "the message awaited"
+    ) -> list[pb.ServerMessage]:
+        """Everything the node is sent, in order, up to and including the first message `last` is true of."""
         import time
 
+        seen: list[pb.ServerMessage] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -84,9 +91,10 @@ class ProtocolNode:
                 if self.error is not None:
                     raise AssertionError(f"stream ended: {self.error.code()} {self.error.details()}") from None
                 continue
-            if msg.WhichOneof("kind") == kind:
-                return msg
-        raise AssertionError(f"no {kind} within {timeout}s")
+            seen.append(msg)
+            if last(msg):
+                return seen
+        raise AssertionError(f"no {what} within {timeout}s; sent meanwhile: {[m.WhichOneof('kind') for m in seen]}")
 
     def wait_closed(self, timeout: float = 30) -> grpc.RpcError:
         self._reader.join(timeout)

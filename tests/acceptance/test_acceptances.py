@@ -8,10 +8,10 @@ by hand over the real protocol."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 
 from podium.proto.podium.v1 import agent_pb2 as pb
 from tests.acceptance.conftest import Cluster
+from tests.harness import Api
 from tests.protocol_node import ProtocolNode
 
 K = pb.TaskEvent.Kind
@@ -21,27 +21,8 @@ def _event(tid: str, token: int, kind: int) -> pb.AgentMessage:
     return pb.AgentMessage(event=pb.TaskEvent(task_id=tid, fencing_token=token, kind=kind))
 
 
-def _until(node: ProtocolNode, last: Callable[[pb.ServerMessage], bool], timeout: float = 30) -> list[pb.ServerMessage]:
-    """Everything the node is sent, in order, up to and including the first message `last` is true of."""
-    import queue
-    import time
-
-    seen: list[pb.ServerMessage] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            msg = node.received.get(timeout=0.1)
-        except queue.Empty:
-            assert node.error is None, f"stream ended: {node.error}"
-            continue
-        seen.append(msg)
-        if last(msg):
-            return seen
-    raise AssertionError(f"not sent within {timeout}s; sent: {[m.WhichOneof('kind') for m in seen]}")
-
-
-def _provisioning_events(api: object, tid: str) -> int:
-    task = api.task(tid)  # type: ignore[attr-defined]
+def _provisioning_events(api: Api, tid: str) -> int:
+    task = api.task(tid)
     return sum(1 for e in task["events"] if e["to_state"] == "provisioning")
 
 
@@ -63,7 +44,7 @@ def test_an_acceptance_its_task_does_not_confirm_is_decided_on_what_the_task_hol
 
         # a token this node was never given: refused, and the node told to stop whatever runs under it
         node.send(_event(a, tokens[a] + 1000, K.PROVISIONING))
-        sent = _until(node, lambda m: m.WhichOneof("kind") == "cancel")
+        sent = node.until(lambda m: m.WhichOneof("kind") == "cancel")
         assert (sent[-1].cancel.task_id, sent[-1].cancel.fencing_token, sent[-1].cancel.reason) == (
             a, tokens[a] + 1000, "stale attempt"
         )  # fmt: skip
@@ -88,7 +69,7 @@ def test_an_acceptance_its_task_does_not_confirm_is_decided_on_what_the_task_hol
         node.send(_event(b, tokens[b], K.PROVISIONING))
         node.send(_event(b, tokens[b], K.NOT_RUNNING))  # then, as the node would: it has nothing of b
         # b's acceptance is settled no later than its end, whose Ack follows it on the stream
-        sent = _until(node, lambda m: m.WhichOneof("kind") == "ack" and m.ack.task_id == b)
+        sent = node.until(lambda m: m.WhichOneof("kind") == "ack" and m.ack.task_id == b)
         assert not [m for m in sent if m.WhichOneof("kind") == "accepted"], [m.WhichOneof("kind") for m in sent]
         ended = api.wait_state(b, "cancelled", 30)
         assert _provisioning_events(api, b) == 0 and ended["attempt_list"][-1]["provisioning_at"] is None
