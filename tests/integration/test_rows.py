@@ -39,7 +39,8 @@ QUERIES: dict[str, tuple[type[R.Row], set[str]]] = {
     "claim_reconcile": (R.ReconcileClaimRow, set()),
     "release_abandoned": (R.AbandonedReleaseRow, {"nodes"}),  # how many nodes had capacity freed
     "placement_nodes": (R.NodeRow, NODE_INTERNALS),
-    "placement_nodes_changed": (R.NodeRow, NODE_INTERNALS),
+    # a dispatch pass's facts (the horizon, the window, the operations), repeated beside each changed node
+    "dispatch_facts": (R.NodeRow, NODE_INTERNALS | {"horizon", "in_flight", "operation_nodes", "operations"}),
     "list_nodes": (R.NodeRow, NODE_INTERNALS),
     "list_nodes_page": (R.NodeRow, NODE_INTERNALS),
     "get_node": (R.NodeRow, NODE_INTERNALS),

@@ -874,8 +874,8 @@ class Store:
         age), for as long as `plan.want` asks: a pass that can place only a few tasks locks only a few
         rows instead of the backlog's whole head.
 
-        A pass is seven round trips when it places anything (the window, horizon and operations in
-        one read, BEGIN, the changed nodes, a claim per chunk, the nodes' locks, the reservations and
+        A pass is six round trips when it places anything (the window, horizon, operations and
+        changed nodes in one read, BEGIN, a claim per chunk, the nodes' locks, the reservations and
         assignments in one write, COMMIT): on an idle fleet a task's way to its node is mostly these."""
         out = DispatchOutcome()
         try:
@@ -903,19 +903,20 @@ class Store:
         deliver_here: list[str],
     ) -> DispatchOutcome:
         async with self._conn() as conn:
-            # the horizon first (whatever commits after it is read again next time), in one read
-            # with the window and the operations
-            facts = await conn.fetchrow(self.q["dispatch_facts"], assign_window or 0)
-            assert facts is not None
+            # the horizon (whatever commits after it is read again next time), the window, the
+            # operations and the nodes changed since the last horizon: one read, outside the
+            # transaction (it locks nothing, and its one snapshot is what the horizon says it is)
+            rows = await conn.fetch(self.q["dispatch_facts"], assign_window or 0, nodes_since)
+            facts = rows[0]
             out.limit = claim_limit
             if assign_window is not None:
                 out.limit = min(claim_limit, assign_window - facts["in_flight"])
                 if out.limit <= 0:
                     out.window_full = True
-                    return out
+                    return out  # no node was read: the horizon stays where it was
+            nodes = NodeRow.many([r for r in rows if r["id"] is not None])
+            plan.begin(nodes, facts["horizon"], dict(zip(facts["operation_nodes"], facts["operations"], strict=True)))
             async with conn.transaction():
-                nodes = NodeRow.many(await conn.fetch(self.q["placement_nodes_changed"], nodes_since))
-                plan.begin(nodes, facts["horizon"], dict(zip(facts["operation_nodes"], facts["operations"], strict=True)))
                 return await self._claim_and_assign(
                     conn, out, accept_seconds, lease_seconds, plan, actor, reconcile_seconds, deliver_here
                 )

@@ -147,13 +147,6 @@ SELECT n.*, ARRAY(SELECT g.gpu_index FROM gpu_claims g WHERE g.node_id = n.id) A
 FROM nodes n
 WHERE n.connected AND n.revoked_at IS NULL
 
--- placement_nodes_changed --
--- The rows placement reads (connected or not, so a node that left is dropped from memory) changed
--- by any transaction at or after the horizon; all of them when the horizon is NULL.
-SELECT n.*, ARRAY(SELECT g.gpu_index FROM gpu_claims g WHERE g.node_id = n.id) AS gpus_in_use
-FROM nodes n
-WHERE $1::xid8 IS NULL OR n.changed_xid >= $1::xid8
-
 -- list_nodes --
 SELECT *, podium_drain_phase(id, draining) AS drain_phase FROM nodes ORDER BY name, id
 
