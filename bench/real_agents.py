@@ -139,7 +139,7 @@ def _nodes(b: Bench) -> list:  # type: ignore[type-arg]
         return []
 
 
-#: The dispatcher's own counters, read from the server's /metrics around the burst: passes, rows it
+#: The dispatcher's own counters, read from the server's /metrics around each mode: passes, rows it
 #: claimed (locked and placed or given a reason), reasons it wrote, placements. A build that has no
 #: such counter prints none.
 DISPATCH_COUNTERS = {
@@ -252,8 +252,10 @@ def main() -> None:
                 r["stages_ms"] = stages(run.tmp / "data", since)
             out.append(r)
         if a.serial:
+            counted = dispatch_counters(b.addr, b.token)
             load0, since = load(), time.time()
             r = b.serial(a.serial)
+            r["dispatch"] = {k: round(v - counted[k], 3) for k, v in dispatch_counters(b.addr, b.token).items()}
             r["load"] = [load0, load()]
             if a.stages:
                 r["stages_ms"] = stages(run.tmp / "data", since)
@@ -280,7 +282,7 @@ def summary(r: dict) -> str:  # type: ignore[type-arg]
     if "submit_to_first_instruction_ms" in r:
         lines.append(f"  submit → first instruction p50/p99 {pr('submit_to_first_instruction_ms')}")
     if d := r.get("dispatch"):
-        lines.append("  dispatcher over the burst: " + ", ".join(f"{k} {d[k]:g}" for k in list(DISPATCH_COUNTERS)[:4] if k in d))
+        lines.append(f"  dispatcher over the {r['mode']} run: " + ", ".join(f"{k} {d[k]:g}" for k in list(DISPATCH_COUNTERS)[:4] if k in d))
         if d.get("passes"):
             lines[-1] += f", {d['dispatch_seconds'] * 1000 / d['passes']:.1f} ms a pass"
         if d.get("report_commits"):
