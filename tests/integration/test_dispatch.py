@@ -135,60 +135,115 @@ async def test_the_dispatcher_holds_while_its_gateway_is_behind_on_node_reports(
     assert [a[0] for a in out.assigned] == [tid]
 
 
-async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_changed(store: Store) -> None:
-    """One scheduler across ticks: after the first read it reads only node rows changed since (by
-    its own reservations, by freed capacity, by an operator, by a node joining) and places on what
-    is true now. A heartbeat that changes nothing placement reads is not a change."""
-    from podium.states import AttemptState, TaskState
-
-    sched = scheduler(store)
-    seen: list[set[str]] = []
+def _watched(sched: Any) -> tuple[list[set[str]], list[set[str]]]:
+    """What each pass of `sched` was given of the nodes: the ids read whole, and the ids of which only
+    the reservations were read (appended pass by pass)."""
+    whole: list[set[str]] = []
+    room: list[set[str]] = []
     plan = sched.dispatcher.plan
 
     def counting(*, whole_window):  # type: ignore[no-untyped-def]
         p = plan(whole_window=whole_window)
         begin = p.begin
 
-        def seeing(changed, horizon, operations):  # type: ignore[no-untyped-def]
-            seen.append({r.id for r in changed})
-            return begin(changed, horizon, operations)
+        def seeing(changed, changed_room, horizon, operations):  # type: ignore[no-untyped-def]
+            whole.append({r.id for r in changed})
+            room.append({r.room_node for r in changed_room})
+            return begin(changed, changed_room, horizon, operations)
 
         p.begin = seeing  # type: ignore[method-assign]
         return p
 
-    sched.dispatcher.plan = counting  # type: ignore[method-assign]
+    sched.dispatcher.plan = counting
+    return whole, room
+
+
+async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_changed(store: Store) -> None:
+    """One scheduler across ticks: after the first read it reads only node rows changed since (by
+    its own reservations, by freed capacity, by an operator, by a node joining) and places on what
+    is true now. Of a node whose reservations alone changed it reads only those; any other change
+    brings the whole row. A heartbeat that changes nothing placement reads is not a change."""
+    from podium.states import AttemptState, TaskState
+
+    sched = scheduler(store)
+    whole, room = _watched(sched)
     await add_node(store, "n1", slots=1)
     await add_node(store, "n2", slots=1)
     t1, t2, t3 = [await submit(store) for _ in range(3)]
     first = await sched.dispatch_once()
-    assert len(first.assigned) == 2 and seen[-1] == {"n1", "n2"}  # the first read is every node
+    assert len(first.assigned) == 2 and whole[-1] == {"n1", "n2"}  # the first read is every node, whole
     assert set(first.unplaced.values()) == {reasons.FULL}
-    # nothing changed: the next tick reads its own reservations only (made after its last read)
-    marks = "SELECT id, changed_xid::text FROM nodes ORDER BY id"
+    # nothing changed: the next tick reads its own reservations only (made after its last read), and
+    # of those nodes only the reservations: nothing else of them changed
+    marks = "SELECT id, changed_xid::text, facts_xid::text FROM nodes ORDER BY id"
     async with store.pool.acquire() as conn:
         before = await conn.fetch(marks)
         await store.heartbeats([("n1", 1), ("n2", 1)], "test")
         assert await conn.fetch(marks) == before  # heartbeats changed nothing placement reads
     again = await sched.dispatch_once()
-    assert again.assigned == [] and seen[-1] == {"n1", "n2"}
+    assert again.assigned == [] and (whole[-1], room[-1]) == (set(), {"n1", "n2"})
+    assert {s.id: s.reserved.slots for s in sched.dispatcher._snaps.values()} == {"n1": 1, "n2": 1}
     # Whether the tick after reads nothing depends on the whole PostgreSQL server, not on this test:
     # the horizon is the xmin of a snapshot, held back by any transaction open in any database there
     # (other tests' on a busy machine). So here: it reads nothing new, and places nothing.
     again = await sched.dispatch_once()
-    assert again.assigned == [] and seen[-1] <= {"n1", "n2"}
-    # capacity freed on n1 is seen at the next tick
+    assert again.assigned == [] and whole[-1] == set() and room[-1] <= {"n1", "n2"}
+    # capacity freed on n1 is seen at the next tick: its reservations, read alone
     tid, node, tok = next(a for a in first.assigned if a[1] == "n1")
     assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.SUCCEEDED, actor="node", fencing_token=tok,
                                        node_id=node, exit_code=0, end_attempt=AttemptState.EXITED)  # fmt: skip
     third = await sched.dispatch_once()
-    assert [a[1] for a in third.assigned] == ["n1"] and "n1" in seen[-1]
-    # an operator's drain and a new node are seen too
+    assert [a[1] for a in third.assigned] == ["n1"] and "n1" in room[-1] and "n1" not in whole[-1]
+    # an operator's drain and a new node are seen too, whole
     await store.set_draining("n1", True)
     await add_node(store, "n3", slots=1)
     t4 = await submit(store)
     fourth = await sched.dispatch_once()
-    assert [a[1] for a in fourth.assigned] == ["n3"] and seen[-1] >= {"n1", "n3"}
+    assert [a[1] for a in fourth.assigned] == ["n3"] and whole[-1] >= {"n1", "n3"}
+    assert sched.dispatcher._snaps["n1"].draining
     assert {t1, t2, t3, t4} >= {a[0] for a in first.assigned + third.assigned + fourth.assigned}
+
+
+async def test_a_nodes_gpus_freed_and_taken_are_seen_through_its_reservations_alone(store: Store) -> None:
+    """The GPU indexes a node's attempts hold come with its reservations: a scheduler that keeps the
+    node between ticks hands out a freed index again, and never one that is taken."""
+    from podium.spec import TaskSpec
+    from podium.states import AttemptState, TaskState
+
+    sched = scheduler(store)
+    whole, room = _watched(sched)
+    assert await store.node_hello(
+        node_id="g1", name="g1", pool="default", arch="x86_64", labels={}, capabilities=[], backends=["process"],
+        artifacts=[], protocol_min=1, protocol_max=1, gpu_indexes=[0, 1], cpu_millis=4000, memory_bytes=8 * 2**30,
+        disk_bytes=10 * 2**30, gpus=2, slots=4, gateway_id="test", agent_version="test", max_operations=4,
+    )  # fmt: skip
+
+    async def one_gpu() -> Any:
+        row, _ = await store.submit(TaskSpec(command=["true"], resources={"cpu": "100m", "memory": "64Mi", "gpus": 1}))
+        return row.id
+
+    async def indexes(tid: Any) -> list[int]:
+        _, attempts, _ = await store.task_detail(tid)
+        return list(attempts[-1].gpu_indexes)
+
+    a = await one_gpu()
+    first = await sched.dispatch_once()
+    assert [x[0] for x in first.assigned] == [a] and whole[-1] == {"g1"}
+    b = await one_gpu()
+    second = await sched.dispatch_once()
+    assert [x[0] for x in second.assigned] == [b] and (whole[-1], room[-1]) == (set(), {"g1"})
+    assert sorted(await indexes(a) + await indexes(b)) == [0, 1]
+    c = await one_gpu()
+    third = await sched.dispatch_once()  # reads b's GPU taken (a pass remembers what it read, not what it placed)
+    assert third.assigned == [] and list(third.unplaced) == [c] and (whole[-1], room[-1]) == (set(), {"g1"})
+    assert sched.dispatcher._snaps["g1"].gpu_free == ()
+    # a's end frees its GPU: read with the node's reservations alone, and handed to c
+    _, node, tok = first.assigned[0]
+    assert await store.transition_task(a, TaskState.ASSIGNED, TaskState.SUCCEEDED, actor="node", fencing_token=tok,
+                                       node_id=node, exit_code=0, end_attempt=AttemptState.EXITED)  # fmt: skip
+    fourth = await sched.dispatch_once()
+    assert [x[0] for x in fourth.assigned] == [c] and "g1" in room[-1] and "g1" not in whole[-1]
+    assert await indexes(c) == await indexes(a)
 
 
 async def test_the_watchdog_gives_a_removed_nodes_tasks_the_removal_as_reason(store: Store) -> None:

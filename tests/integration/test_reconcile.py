@@ -225,7 +225,7 @@ async def test_the_reservation_refuses_more_operations_than_the_node_allows(stor
     tid = await submit(store)
     plan = sched.dispatcher.plan(whole_window=True)
     begin = plan.begin
-    plan.begin = lambda nodes, horizon, ops: begin(nodes, horizon, {})  # type: ignore[method-assign]
+    plan.begin = lambda nodes, room, horizon, ops: begin(nodes, room, horizon, {})  # type: ignore[method-assign]
     out = await sched.store.dispatch(claim_limit=10, accept_seconds=15, lease_seconds=300, actor="stale", plan=plan)
     assert out.assigned == [] and out.lost_races == 1
     assert (await store.get_task(tid)).state == "queued"

@@ -14,7 +14,7 @@ from podium.store import rows as R
 
 # query → (its row type, the columns it returns that the row leaves out, and why)
 # never shown: the credential's hash, the change horizon, the agent instance that may enrol it again
-NODE_INTERNALS = {"credential_hash", "changed_xid", "enrolled_by_instance"}
+NODE_INTERNALS = {"credential_hash", "changed_xid", "facts_xid", "enrolled_by_instance"}
 QUERIES: dict[str, tuple[type[R.Row], set[str]]] = {
     "insert_tasks": (R.TaskRow, {"notified"}),  # how many NOTIFYs the insert sent
     "tasks_by_idempotency_keys": (R.TaskRow, set()),
@@ -39,8 +39,11 @@ QUERIES: dict[str, tuple[type[R.Row], set[str]]] = {
     "claim_reconcile": (R.ReconcileClaimRow, set()),
     "release_abandoned": (R.AbandonedReleaseRow, {"nodes"}),  # how many nodes had capacity freed
     "placement_nodes": (R.NodeRow, NODE_INTERNALS),
-    # a dispatch pass's facts (the horizon, the window, the operations), repeated beside each changed node
-    "dispatch_facts": (R.NodeRow, NODE_INTERNALS | {"horizon", "in_flight", "operation_nodes", "operations"}),
+    # a dispatch pass's facts (the horizon, the window, the operations), repeated beside each changed
+    # node, and what NodeRoomRow reads of it (each row is one or the other, see Store.dispatch)
+    "dispatch_facts": (R.NodeRow, NODE_INTERNALS | {"horizon", "in_flight", "operation_nodes", "operations",
+                                                    "room_node", "room_cpu_millis", "room_memory_bytes",
+                                                    "room_disk_bytes", "room_gpus", "room_slots"}),
     "list_nodes": (R.NodeRow, NODE_INTERNALS),
     "list_nodes_page": (R.NodeRow, NODE_INTERNALS),
     "get_node": (R.NodeRow, NODE_INTERNALS),

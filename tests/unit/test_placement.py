@@ -422,7 +422,8 @@ def test_reserving_keeps_every_other_field() -> None:
     )
     after = n.reserving(TASK, (1,))
     assert after == replace(n, reserved=TASK + TASK, gpu_free=(0,), operations=3)
-    # A new field fails here first: give it a non-default value above, and add it to reserving().
+    assert n.using(BIG, (), 0) == replace(n, reserved=BIG, gpu_free=(), operations=0)
+    # A new field fails here first: give it a non-default value above, and add it to using().
     assert [f.name for f in fields(NodeSnapshot)] == [
         "id", "name", "connected", "health", "draining", "pool", "arch", "labels", "capabilities",
         "backends", "protocol_min", "protocol_max", "allocatable", "reserved", "artifacts", "gpu_free",

@@ -3,10 +3,11 @@ saying something placement cares about changed (a task queued, room freed, a nod
 NOTIFY podium_dispatch).
 
 It keeps what placement knows of the connected nodes between ticks (folding in only the rows changed
-since its last read), lets the pure `Placer` choose, and hands the choices to `Store.dispatch`, which
-makes them durable in one transaction — each a compare-and-set on the queued task and a conditional
-reservation on its node. It never transitions a task from what it remembers: the snapshots only
-choose, the store decides whether the choice still holds.
+since its last read, and of a node whose reservations alone changed only those), lets the pure
+`Placer` choose, and hands the choices to `Store.dispatch`, which makes them durable in one
+transaction — each a compare-and-set on the queued task and a conditional reservation on its node.
+It never transitions a task from what it remembers: the snapshots only choose, the store decides
+whether the choice still holds.
 
 A pass claims (locks, decodes, asks the placer about) only as many queued tasks as the free room
 could take, in claim order, and more only while the ones claimed could not use the room there is: a
@@ -23,7 +24,6 @@ in it, a new one too, is told its true reason within a tick.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -36,7 +36,7 @@ from podium.placement import NodeSnapshot, Placer, Requirements, Resources, Unpl
 from podium.scheduler.woken import WokenLoop
 from podium.store import Store
 from podium.store.db import DispatchOutcome, PlacementDecision
-from podium.store.rows import ClaimedTaskRow, NodeRow, OutboxRow
+from podium.store.rows import ClaimedTaskRow, NodeRoomRow, NodeRow, OutboxRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,17 @@ def node_snapshot(row: NodeRow) -> NodeSnapshot:
     )
 
 
+def with_room(snap: NodeSnapshot, room: NodeRoomRow, gpu_indexes: tuple[int, ...], operations: int) -> NodeSnapshot:
+    """The snapshot with the node's reservations as read now (and the GPUs free of its `gpu_indexes`)
+    and its provisioning operations as counted now, everything else as it was: nothing else of the
+    node changed since it was read whole."""
+    reserved = Resources(room.room_cpu_millis, room.room_memory_bytes, room.room_disk_bytes, room.room_gpus, room.room_slots)
+    gpu_free = tuple(g for g in gpu_indexes if g not in room.gpus_in_use) if gpu_indexes else ()
+    if reserved == snap.reserved and gpu_free == snap.gpu_free and operations == snap.operations:
+        return snap
+    return snap.using(reserved, gpu_free, operations)
+
+
 def with_operations(snaps: dict[str, NodeSnapshot], operations: dict[str, int]) -> dict[str, NodeSnapshot]:
     """The snapshots with each node's provisioning operations as counted now. A node row does not
     change when an attempt starts running, so the count is read every tick rather than kept."""
@@ -91,7 +102,7 @@ def with_operations(snaps: dict[str, NodeSnapshot], operations: dict[str, int]) 
         if snap.operations != now:
             if out is snaps:
                 out = dict(snaps)
-            out[nid] = dataclasses.replace(snap, operations=now)
+            out[nid] = snap.using(snap.reserved, snap.gpu_free, now)
     return out
 
 
@@ -129,9 +140,9 @@ class DispatchPass:
         self._placer: Placer | None = None
         self.room = 0  # at most this many more placements are possible in this pass
 
-    def begin(self, changed: list[NodeRow], horizon: int, operations: dict[str, int]) -> None:
+    def begin(self, changed: list[NodeRow], room: list[NodeRoomRow], horizon: int, operations: dict[str, int]) -> None:
         d = self.dispatcher
-        d._remember_nodes(changed, horizon)
+        d._remember_nodes(changed, room, horizon, operations)
         d._snaps = with_operations(d._snaps, operations)
         if self.whole_window:
             d._smallest = None  # learnt again from the window's head, which this pass claims whole
@@ -205,6 +216,7 @@ class Dispatcher:
         # What placement knows of the connected nodes between ticks, and the snapshot horizon of the
         # read that brought it up to date (None: read them all next time).
         self._snaps: dict[str, NodeSnapshot] = {}
+        self._gpus: dict[str, tuple[int, ...]] = {}  # each kept node's GPU indexes, in order (its snapshot keeps the free ones)
         self._horizon: int | None = None
         self._nodes_read_all_at = float("-inf")
         self._window_looked_at = float("-inf")  # the last pass that looked at the whole window
@@ -286,14 +298,23 @@ class Dispatcher:
             self._window_looked_at = now
         return outcome
 
-    def _remember_nodes(self, changed: list[NodeRow], horizon: int) -> None:
-        """Fold the node rows changed since the last read into the snapshots kept between ticks."""
+    def _remember_nodes(self, changed: list[NodeRow], room: list[NodeRoomRow], horizon: int, operations: dict[str, int]) -> None:
+        """Fold the node rows changed since the last read into the snapshots kept between ticks: a
+        row read whole replaces its node's snapshot, a node whose reservations alone changed keeps
+        its snapshot with those (a node not kept is not connected, or was removed: still not placed on)."""
         if self._horizon is None:
             self._snaps = {}
+            self._gpus = {}
             self._nodes_read_all_at = asyncio.get_running_loop().time()
         for row in changed:
             if row.connected and row.revoked_at is None:
                 self._snaps[row.id] = node_snapshot(row)
+                self._gpus[row.id] = tuple(sorted(row.gpu_indexes))
             else:
                 self._snaps.pop(row.id, None)
+                self._gpus.pop(row.id, None)
+        for r in room:
+            snap = self._snaps.get(r.room_node)
+            if snap is not None:
+                self._snaps[r.room_node] = with_room(snap, r, self._gpus.get(r.room_node, ()), operations.get(r.room_node, 0))
         self._horizon = horizon

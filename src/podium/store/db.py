@@ -47,6 +47,7 @@ from podium.store.rows import (
     NamedSpecRow,
     NodeCredentialRow,
     NodeEventRow,
+    NodeRoomRow,
     NodeRow,
     NodeSessionRow,
     NodeTaskRow,
@@ -251,9 +252,9 @@ class DispatchPlan(Protocol):
     the nodes are now, it says how many queued tasks to claim, and places each batch it is given in
     claim order, reserving as it goes."""
 
-    def begin(self, changed: list[NodeRow], horizon: int, operations: dict[str, int]) -> None:
-        """The node rows changed since the caller's horizon, the new horizon, and the provisioning
-        operations per node now."""
+    def begin(self, changed: list[NodeRow], room: list[NodeRoomRow], horizon: int, operations: dict[str, int]) -> None:
+        """The node rows changed since the caller's horizon (whole), the reservations of the nodes
+        nothing else of changed since, the new horizon, and the provisioning operations per node now."""
 
     def want(self, claimed: int, limit: int) -> int:
         """How many more queued tasks to claim now, `claimed` being claimed already (0: stop)."""
@@ -869,8 +870,9 @@ class Store:
         once (no NOTIFY, no outbox take); every other node that got work is notified.
 
         `plan.begin` is given the node rows changed by transactions at or after `nodes_since` (every
-        row placement may read, connected or not; all of them when it is None) and the horizon to
-        pass as `nodes_since` next time. The claim then goes in chunks, in claim order (priority, then
+        row placement may read, connected or not; all of them when it is None) — whole, or only their
+        reservations when nothing else of them changed — and the horizon to pass as `nodes_since`
+        next time. The claim then goes in chunks, in claim order (priority, then
         age), for as long as `plan.want` asks: a pass that can place only a few tasks locks only a few
         rows instead of the backlog's whole head.
 
@@ -915,7 +917,9 @@ class Store:
                     out.window_full = True
                     return out  # no node was read: the horizon stays where it was
             nodes = NodeRow.many([r for r in rows if r["id"] is not None])
-            plan.begin(nodes, facts["horizon"], dict(zip(facts["operation_nodes"], facts["operations"], strict=True)))
+            room = NodeRoomRow.many([r for r in rows if r["id"] is None and r["room_node"] is not None])
+            operations = dict(zip(facts["operation_nodes"], facts["operations"], strict=True))
+            plan.begin(nodes, room, facts["horizon"], operations)
             async with conn.transaction():
                 return await self._claim_and_assign(
                     conn, out, accept_seconds, lease_seconds, plan, actor, reconcile_seconds, deliver_here

@@ -374,6 +374,20 @@ class NodeRow(Row):
 
 
 @dataclass(frozen=True, slots=True)
+class NodeRoomRow(Row):
+    """What a dispatch pass reads of a node whose reservations alone changed since its last read:
+    those, and the GPU indexes the node's attempts hold."""
+
+    room_node: str
+    room_cpu_millis: int
+    room_memory_bytes: int
+    room_disk_bytes: int
+    room_gpus: int
+    room_slots: int
+    gpus_in_use: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class NodeSessionRow(Row):
     """What recording a Hello gave the node: its new session."""
 

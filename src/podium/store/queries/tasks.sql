@@ -365,19 +365,24 @@ SELECT t.* FROM t WHERE (SELECT count(*) FROM n) >= 0
 -- What a dispatch pass reads before it claims, in one round trip: the snapshot horizon (every
 -- transaction below it had ended when this statement began: node rows changed at or after it are read
 -- again next pass), the assignments not yet accepted by their node counted up to $1 (the window), each
--- node's capacity operations now, and the rows placement reads of the nodes changed by any transaction
--- at or after $2, the last pass's horizon (connected or not, so a node that left is dropped from
--- memory; all of them when $2 is NULL). One row per changed node, the facts repeated on each; one row
--- with no node when none changed, or when the window is full ($1 > 0 and as many wait): that pass
--- claims nothing and reads the nodes next time. The horizon and the nodes come from one snapshot.
-SELECT f.*, n.*, ARRAY(SELECT g.gpu_index FROM gpu_claims g WHERE g.node_id = n.id) AS gpus_in_use
+-- node's capacity operations now, and the nodes changed by any transaction at or after $2, the last
+-- pass's horizon (connected or not, so a node that left is dropped from memory; all of them when $2 is
+-- NULL). Of a node whose reservations alone changed (migration 0015) only those come (room_*, and the
+-- GPU indexes its attempts hold); of any other, its whole row too (n.*). One row per changed node, the
+-- facts repeated on each; one row with no node when none changed, or when the window is full ($1 > 0
+-- and as many wait): that pass claims nothing and reads the nodes next time. The horizon and the nodes
+-- come from one snapshot.
+SELECT f.*, c.id AS room_node, c.res_cpu_millis AS room_cpu_millis, c.res_memory_bytes AS room_memory_bytes,
+       c.res_disk_bytes AS room_disk_bytes, c.res_gpus AS room_gpus, c.res_slots AS room_slots,
+       ARRAY(SELECT g.gpu_index FROM gpu_claims g WHERE g.node_id = c.id) AS gpus_in_use, n.*
 FROM (
     SELECT pg_snapshot_xmin(pg_current_snapshot()) AS horizon,
            (SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state = 'assigned' LIMIT $1) x)::int AS in_flight,
            COALESCE(o.nodes, '{}') AS operation_nodes, COALESCE(o.counts, '{}') AS operations
     FROM (SELECT array_agg(node_id) AS nodes, array_agg(n) AS counts FROM {{operations: attempts}}) o
 ) f
-LEFT JOIN nodes n ON ($1 = 0 OR f.in_flight < $1) AND ($2::xid8 IS NULL OR n.changed_xid >= $2::xid8)
+LEFT JOIN nodes c ON ($1 = 0 OR f.in_flight < $1) AND ($2::xid8 IS NULL OR c.changed_xid >= $2::xid8)
+LEFT JOIN nodes n ON n.id = c.id AND ($2::xid8 IS NULL OR n.facts_xid >= $2::xid8)
 
 -- task_attempts --
 SELECT * FROM attempts WHERE task_id = $1 ORDER BY attempt
