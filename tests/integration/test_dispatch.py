@@ -391,3 +391,23 @@ async def test_a_claimed_spec_is_decoded_once_while_it_stays_the_same(store: Sto
     alike = [await submit(store, command=["true", "0"]) for _ in range(3)]  # the same spec as a waiting one
     fourth = await eager.dispatch_once()
     assert {fourth.unplaced[t] for t in alike} == {reasons.FULL} and len(decoded) == 6
+
+
+async def test_a_pass_that_finds_nothing_queued_builds_no_placer(store: Store) -> None:
+    """Indexing every node costs a busy server the most of a pass: a look at the window that claims
+    nothing (an idle fleet, once a tick) does not pay it; one that claims a task does."""
+    sched = scheduler(store)
+    plans: list[Any] = []
+    plan = sched.dispatcher.plan
+
+    def keeping(*, whole_window):  # type: ignore[no-untyped-def]
+        plans.append(plan(whole_window=whole_window))
+        return plans[-1]
+
+    sched.dispatcher.plan = keeping  # type: ignore[method-assign]
+    await add_node(store, "n1", slots=1)
+    idle = await sched.dispatch_once()
+    assert (idle.claimed, idle.assigned) == (0, []) and plans[-1].whole_window and plans[-1]._placer is None
+    tid = await submit(store)
+    busy = await sched.dispatch_once()
+    assert [a[0] for a in busy.assigned] == [tid] and plans[-1]._placer is not None

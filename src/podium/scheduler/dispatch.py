@@ -173,6 +173,8 @@ class DispatchPass:
         snaps = self.dispatcher._snaps
         placed: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}
+        if not tasks:
+            return placed, unplaced  # a claim that found nothing queued: no placer to build for it
         placer = self.placer
         d = self.dispatcher
         for t in tasks:
