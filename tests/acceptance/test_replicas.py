@@ -654,7 +654,7 @@ def test_skewed_replica_clock_changes_nothing(cluster: Cluster) -> None:
         given = (r["accept_deadline"] - r["assigned_at"]).total_seconds()
         assert (r["state"], r["reason"], r["started_at"]) == ("revoked", reasons.NOT_ACCEPTED, None), dict(r)
         assert window <= given < window + 5 and r["finished_at"] >= r["accept_deadline"], dict(r)
-    assert len(ended) == n + 1 + len(revoked)
+    assert len(last) == n + 1  # every task has its attempts, and its last one is the one that ran
     assert set(sub.ids.values()) == {str(r["id"]) for r in sql(url, "SELECT id FROM tasks WHERE state = 'succeeded'")}
     reasons_seen = {r["reason"] for r in sql(url, "SELECT DISTINCT reason FROM task_events WHERE reason IS NOT NULL")}
     t = sql(url, "SELECT state, reason, started_at FROM tasks WHERE id = $1", uuid.UUID(slow_id))[0]
