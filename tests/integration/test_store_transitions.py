@@ -438,3 +438,35 @@ async def test_a_queued_tasks_reason_is_written_without_touching_an_index(store:
         assert await c.fetchval("SELECT pg_stat_get_xact_tuples_hot_updated('tasks'::regclass)") == 1
         assert await c.fetchval("SELECT pg_stat_get_xact_tuples_updated('tasks'::regclass)") == 1
     assert (await store.get_task(first)).reason == reasons.FULL
+
+
+async def test_output_given_with_a_batch_of_ends_is_committed_with_them_or_not_at_all(store: Store) -> None:
+    """transition_decided's `logs`: the chunks a node sent before its end are stored in the end's own
+    transaction — a batch refused as a whole stores none of them, one made stores them with its ends."""
+    from podium.store import Change
+
+    await add_node(store, "n1")
+    tid = await submit(store, command=["echo", "hi"])
+    await place(store)
+    tok = (await store.get_task(tid)).fencing_token
+    for a, b in ((S.ASSIGNED, S.PROVISIONING), (S.PROVISIONING, S.RUNNING)):
+        assert await store.transition_task(tid, a, b, actor="node:n1", fencing_token=tok, node_id="n1")
+    logs = [(tid, tok, "stdout", 0, 0, b"hi\n", "n1")]
+
+    async def stored() -> int:
+        async with store.pool.acquire() as c:
+            return int(await c.fetchval("SELECT count(*) FROM log_chunks WHERE task_id = $1", tid))
+
+    def broken(rows: Any) -> list[Change]:
+        raise RuntimeError("a decision that fails after the chunks were written")
+
+    with pytest.raises(RuntimeError):
+        await store.transition_decided([tid], broken, ending=[tid], logs=logs)
+    assert await stored() == 0 and (await store.get_task(tid)).state == S.RUNNING
+
+    def ended(rows: Any) -> list[Change]:
+        return [Change(tid, S.RUNNING, S.SUCCEEDED, actor="node:n1", fencing_token=tok, node_id="n1",
+                       end_attempt=AttemptState.EXITED, exit_code=0)]  # fmt: skip
+
+    _changes, results = await store.transition_decided([tid], ended, ending=[tid], logs=logs)
+    assert results[0] is not None and await stored() == 1 and (await store.get_task(tid)).state == S.SUCCEEDED

@@ -3,15 +3,17 @@ statement for every node at once, on a timer, never behind the node reports' bac
 
 Heartbeats are recorded over a pool of their own and acknowledged (which renews the node's fence on
 its side) only once recorded. Log chunks are stored in arrival order and acknowledged once stored; the
-report batcher awaits a flush (`LogFlusher.flush`) before it records an attempt's end, so whoever
-follows an ended task's output has all of it.
+report batcher takes every chunk held (`LogFlusher.taken`) into the transaction that records a batch
+of ends, so whoever follows an ended task's output has all of it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
+from collections.abc import AsyncIterator
 
 from podium import metrics
 from podium.errors import StoreUnavailable
@@ -27,6 +29,7 @@ LOG_FLUSH_SECONDS = 0.05
 
 #: (task, fencing token, stream, seq, byte offset, data): one chunk of an attempt's output
 Chunk = tuple[uuid.UUID, int, str, int, int, bytes]
+LogRow = tuple[uuid.UUID, int, str, int, int, bytes, str]  # a chunk and its node, as `Store.insert_logs` takes it
 
 
 class Heartbeats:
@@ -102,13 +105,34 @@ class LogFlusher:
         if not pending:
             return True
         try:
-            await self.store.insert_logs([(*c, node_id) for node_id, chunks in pending.items() for c in chunks])
+            await self.store.insert_logs(_rows(pending))
         except StoreUnavailable as e:
             log.warning("logs from %d nodes not stored yet: %s", len(pending), e)
-            for node_id, chunks in pending.items():
-                self._logs[node_id] = chunks + self._logs.get(node_id, [])
+            self._keep(pending)
             return False
-        # stored: the nodes may forget them (until now each keeps them, to send again if we die)
+        self._stored(pending)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def taken(self) -> AsyncIterator[list[LogRow]]:
+        """Every chunk received so far, for the caller to store in a transaction of its own (the
+        group commit of the ends they came before): acknowledged to their nodes once the block ends,
+        kept for the next flush, ahead of any received since, if it raises. No flush runs meanwhile."""
+        async with self._lock:
+            pending, self._logs = self._logs, {}
+            try:
+                yield _rows(pending)
+            except BaseException:
+                self._keep(pending)
+                raise
+            self._stored(pending)
+
+    def _keep(self, pending: dict[str, list[Chunk]]) -> None:
+        for node_id, chunks in pending.items():
+            self._logs[node_id] = chunks + self._logs.get(node_id, [])
+
+    def _stored(self, pending: dict[str, list[Chunk]]) -> None:
+        """Stored: the nodes may forget them (until now each keeps them, to send again if we die)."""
         for node_id, chunks in pending.items():
             s = self.sessions.get(node_id)
             if s is None:
@@ -119,4 +143,7 @@ class LogFlusher:
                 upto[key] = max(upto.get(key, -1), seq)
             for (tid, token, stream), seq in upto.items():
                 s.send(pb.ServerMessage(log_ack=pb.LogAck(task_id=str(tid), fencing_token=token, stream=stream, seq=seq)))
-        return True
+
+
+def _rows(pending: dict[str, list[Chunk]]) -> list[LogRow]:
+    return [(*c, node_id) for node_id, chunks in pending.items() for c in chunks]

@@ -4,8 +4,9 @@ A stream's reader only queues a report here and goes on reading (so its heartbea
 its reports). `ReportBatcher.loop` takes every queued report — round robin over the streams, each
 task's in arrival order (its `running` and its end together, see `take_round_robin`) — reads those
 tasks under their locks in one statement, lets the policy decide each, and applies them in the same
-transaction (`Store.transition_decided`: one commit). Before a batch that ends attempts it awaits the
-log flusher it was given: an attempt's output is stored before its end.
+transaction (`Store.transition_decided`: one commit). A batch that ends attempts stores in that
+transaction, first, every output chunk the log flusher holds: an attempt's output is committed with
+its end, never after it.
 
 A batch's acceptances (a task's lone `provisioning`: the node waits for its Accepted before it starts
 the task) do not wait for that read: each is decided on what its row is expected to hold — the task
@@ -22,10 +23,11 @@ import functools
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from podium import metrics, protocol
 from podium.errors import StoreUnavailable
+from podium.gateway.liveness import LogFlusher, LogRow
 from podium.gateway.sessions import ACCEPTED, Pending, Session, Sessions, accepted
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.scheduler import policy
@@ -58,13 +60,14 @@ class _Plan:
 
 class ReportBatcher:
     def __init__(
-        self, store: Store, sessions: Sessions, timing: Timing, *, flush_logs: Callable[[], Awaitable[bool]]
+        self, store: Store, sessions: Sessions, timing: Timing, *, logs: LogFlusher
     ) -> None:
         self.store = store
         self.sessions = sessions
         self.timing = timing
-        # "store an attempt's output before its end": the log flusher, awaited before a batch of ends
-        self.flush_logs = flush_logs
+        # "store an attempt's output no later than its end": what the log flusher holds is stored in
+        # the transaction of a batch of ends
+        self.logs = logs
         # sessions with reports waiting, in the order they are served (round robin)
         self._event_sessions: dict[Session, None] = {}
         self._events_ready = asyncio.Event()
@@ -174,17 +177,25 @@ class ReportBatcher:
             self._events_ready.set()
 
     async def _apply_batch(self, batch: list[tuple[Session, Pending]]) -> None:
-        # an attempt's output arrived before its end on the same stream: store it before the end
-        # becomes visible, so whoever follows the logs of an ended task has all of them (and the
-        # node, told its end is recorded, forgets no output that is not)
-        if any(p.final for _s, p in batch) and not await self.flush_logs():
-            raise StoreUnavailable("the output sent before these ends is not stored yet")
         expected, rest = _acceptances(batch)
+        if not any(p.final for _s, p in rest):
+            await self._apply_both(expected, rest, [])
+            return
+        # An attempt's output arrived before its end on the same stream: it is committed with the end
+        # (every chunk received so far, in the same transaction), so whoever follows the logs of an
+        # ended task has all of them, and the node, told its end is recorded, forgets no output that
+        # is not. One commit, where a flush of its own before the batch was another.
+        async with self.logs.taken() as chunks:
+            await self._apply_both(expected, rest, chunks)
+
+    async def _apply_both(
+        self, expected: list[tuple[Session, Pending]], rest: list[tuple[Session, Pending]], logs: list[LogRow]
+    ) -> None:
         if not expected:
-            await self._apply_read(rest)
+            await self._apply_read(rest, logs)
             return
         # on two connections at once: the acceptances are other tasks' rows than the rest's
-        accepted, read = await asyncio.gather(self._accept_expected(expected), self._apply_read(rest), return_exceptions=True)
+        accepted, read = await asyncio.gather(self._accept_expected(expected), self._apply_read(rest, logs), return_exceptions=True)
         for failed in (accepted, read):
             if isinstance(failed, BaseException):
                 # Both have ended: the caller puts the whole batch back. What either made is refused
@@ -216,8 +227,9 @@ class ReportBatcher:
             self._answer(s, p, applied=True)
         return refused
 
-    async def _apply_read(self, batch: list[tuple[Session, Pending]]) -> None:
-        """Reports decided on their tasks as read under their locks, and made in the same transaction."""
+    async def _apply_read(self, batch: list[tuple[Session, Pending]], logs: list[LogRow]) -> None:
+        """Reports decided on their tasks as read under their locks, and made in the same transaction
+        (with `logs`, the output chunks to store in it first)."""
         if not batch:
             return
         plan: _Plan | None = None
@@ -230,7 +242,7 @@ class ReportBatcher:
         # read under the locks the changes are written under (the tasks, and the nodes of the ends):
         # one statement, then one per layer
         _changes, results = await self.store.transition_decided(
-            list({p.task_id: None for _s, p in batch}), decide, ending={p.task_id for _s, p in batch if p.final}
+            list({p.task_id: None for _s, p in batch}), decide, ending={p.task_id for _s, p in batch if p.final}, logs=logs
         )
         assert plan is not None
         metrics.NODE_REPORT_BATCH.observe(len(batch))

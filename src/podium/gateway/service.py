@@ -68,7 +68,7 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         reports_store = reports_store or store
         self.heartbeats = Heartbeats(beats_store or store, self.sessions, timing, server_id=server_id)
         self.logs = LogFlusher(reports_store, self.sessions)
-        self.reports = ReportBatcher(reports_store, self.sessions, timing, flush_logs=self.logs.flush)
+        self.reports = ReportBatcher(reports_store, self.sessions, timing, logs=self.logs)
         self.proofs = ReleaseProofs(reports_store)
         self.outbox = Outbox(
             store, self.sessions, timing, take_store=reports_store, security=security, applier=applier

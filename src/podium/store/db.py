@@ -661,6 +661,7 @@ class Store:
         decide: Callable[[Mapping[uuid.UUID, TaskFactsRow]], Sequence[Change]],
         *,
         ending: Collection[uuid.UUID] = (),
+        logs: Sequence[tuple[uuid.UUID, int, str, int, int, bytes, str]] = (),
     ) -> tuple[list[Change], list[Transition | None]]:
         """Lock these tasks and read them, and lock the nodes of those in `ending` (the tasks whose
         changes may free a node's capacity: the caller's reported ends), in one statement; let
@@ -670,8 +671,13 @@ class Store:
         change that frees a node not locked with the read has it locked before the first write. `decide`
         runs again, on a fresh read, when the transaction is retried: it must only compute. Returns the
         changes of the last `decide` and each one's answer. A task absent from the database is absent
-        from the read."""
+        from the read.
+
+        `logs` are output chunks (as `insert_logs` takes them) stored first, in the same transaction:
+        the output a node sent before an end is committed with that end, not in a commit before it."""
         async with self._conn() as conn, conn.transaction():
+            if logs:
+                await conn.execute(self.q["insert_logs"], *[list(c) for c in zip(*logs, strict=True)])
             read = TaskFactsRow.many(await conn.fetch(self.q["lock_task_facts"], list(task_ids), list(ending)))
             changes = list(decide({r.id: r for r in read}))
             if not changes:
