@@ -43,3 +43,17 @@ async def place(store: Store) -> Any:
 async def node_row(store: Store, node_id: str) -> Any:
     async with store.pool.acquire() as c:
         return await c.fetchrow("SELECT * FROM nodes WHERE id = $1", node_id)
+
+
+async def running_on_n1(store: Store, **spec: Any) -> tuple[uuid.UUID, int]:
+    """A task placed on a new node "n1" and taken through `provisioning` to `running` as that node
+    would report them: its id and fencing token."""
+    from podium.states import TaskState as S
+
+    await add_node(store, "n1")
+    tid = await submit(store, **spec)
+    await place(store)
+    tok = (await store.get_task(tid)).fencing_token
+    for a, b in ((S.ASSIGNED, S.PROVISIONING), (S.PROVISIONING, S.RUNNING)):
+        assert await store.transition_task(tid, a, b, actor="node:n1", fencing_token=tok, node_id="n1")
+    return tid, tok

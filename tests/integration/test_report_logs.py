@@ -20,7 +20,7 @@ from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.states import TaskState as S
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, place, submit
+from tests.integration.helpers import running_on_n1
 
 K = pb.TaskEvent.Kind
 
@@ -61,16 +61,6 @@ def said(s: Session) -> list[Any]:
     return out
 
 
-async def running(store: Store) -> tuple[uuid.UUID, int]:
-    await add_node(store, "n1")
-    tid = await submit(store, command=["echo", "hi"])
-    await place(store)
-    tok = (await store.get_task(tid)).fencing_token
-    for a, b in ((S.ASSIGNED, S.PROVISIONING), (S.PROVISIONING, S.RUNNING)):
-        assert await store.transition_task(tid, a, b, actor="node:n1", fencing_token=tok, node_id="n1")
-    return tid, tok
-
-
 async def stored(store: Store, tid: uuid.UUID) -> list[bytes]:
     async with store.pool.acquire() as c:
         return [bytes(r["data"]) for r in await c.fetch("SELECT data FROM log_chunks WHERE task_id = $1 ORDER BY seq", tid)]
@@ -81,7 +71,7 @@ def end(tid: uuid.UUID, token: int) -> pb.TaskEvent:
 
 
 async def test_the_output_before_an_end_is_committed_with_it_and_acknowledged(store: Store) -> None:
-    tid, tok = await running(store)
+    tid, tok = await running_on_n1(store, command=["echo", "hi"])
     heard: list[Any] = []
     async with batching(store) as (batcher, logs, s):
         logs.add("n1", (tid, tok, "stdout", 0, 0, b"hi\n"))
@@ -99,7 +89,7 @@ async def test_the_output_before_an_end_is_committed_with_it_and_acknowledged(st
 
 
 async def test_output_whose_end_could_not_be_committed_is_kept_and_stored_with_it_later(store: Store) -> None:
-    tid, tok = await running(store)
+    tid, tok = await running_on_n1(store, command=["echo", "hi"])
     made = store.transition_decided
     heard_before_retry: list[Any] = []
     tries = 0

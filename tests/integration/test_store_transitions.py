@@ -11,7 +11,7 @@ import pytest
 from podium import reasons
 from podium.states import ALLOWED, AttemptState, TaskState
 from podium.store import Store
-from tests.integration.helpers import add_node, node_row, place, submit
+from tests.integration.helpers import add_node, node_row, place, running_on_n1, submit
 
 S = TaskState
 
@@ -445,12 +445,7 @@ async def test_output_given_with_a_batch_of_ends_is_committed_with_them_or_not_a
     transaction — a batch refused as a whole stores none of them, one made stores them with its ends."""
     from podium.store import Change
 
-    await add_node(store, "n1")
-    tid = await submit(store, command=["echo", "hi"])
-    await place(store)
-    tok = (await store.get_task(tid)).fencing_token
-    for a, b in ((S.ASSIGNED, S.PROVISIONING), (S.PROVISIONING, S.RUNNING)):
-        assert await store.transition_task(tid, a, b, actor="node:n1", fencing_token=tok, node_id="n1")
+    tid, tok = await running_on_n1(store, command=["echo", "hi"])
     logs = [(tid, tok, "stdout", 0, 0, b"hi\n", "n1")]
 
     async def stored() -> int:
