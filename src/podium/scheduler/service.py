@@ -8,7 +8,9 @@ just read (`scheduler.apply`), and every time is the database's `now()`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
@@ -20,11 +22,19 @@ from podium.scheduler import policy
 from podium.scheduler.apply import Applier, facts
 from podium.scheduler.dispatch import Dispatcher, node_snapshot, requirements
 from podium.scheduler.watchdog import DEFAULT_RETENTION, Watchdog
+from podium.spec import TaskSpec
 from podium.store import Store
 from podium.store.db import DispatchOutcome
 from podium.store.reconcile import ReconcileStore
 from podium.store.rows import NodeRow, OutboxRow, TaskRow
 from podium.timing import Timing
+
+log = logging.getLogger(__name__)
+
+# Seconds a handler waits for the pass it handed its submission to before it stores it itself (the
+# same ids: the pass's commit, if it came, is found). A pass takes milliseconds; this only bounds a
+# dispatcher stopped with the submission in hand.
+HANDED_WAIT = 10.0
 
 
 class Scheduler:
@@ -61,6 +71,25 @@ class Scheduler:
 
     async def close(self) -> None:
         await self.dispatcher.loop.close()
+
+    async def submit_many(self, items: list[tuple[TaskSpec, str | None]], *, actor: str) -> list[tuple[TaskRow, bool]]:
+        """Store submissions (`Store.submit_many`'s answers). Without idempotency keys and with this
+        server's dispatcher idle, they are handed to it: its pass stores them and places them in
+        one transaction. Otherwise (a key may conflict and refuse the batch: not inside a pass that
+        places others' tasks too), or when the pass did not store them, they are stored here."""
+        if any(key is not None for _spec, key in items):
+            return await self.store.submit_many(items, actor=actor)
+        sub = self.store.submissions(items, actor=actor)
+        handed = self.dispatcher.take_submission(sub)
+        if handed is not None:
+            stored = None
+            try:
+                stored = await asyncio.wait_for(handed, HANDED_WAIT)
+            except Exception as e:  # a timeout too
+                log.warning("a dispatch pass given %d new tasks failed (%s); storing them on their own", len(items), e)
+            if stored is not None:
+                return [(stored[i], True) for i in sub.ids]
+        return await self.store.submit_many(items, actor=actor, ids=sub.ids)
 
     async def dispatch_once(self) -> DispatchOutcome:
         return await self.dispatcher.dispatch_once()

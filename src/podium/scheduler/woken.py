@@ -1,7 +1,8 @@
 """The shape every scheduler loop has: do a pass when the database says something changed (a NOTIFY on
 a channel) or when the tick passes, whichever comes first — written once.
 
-A missed notification only delays: the tick is the backstop. A store that cannot be reached is
+A missed notification only delays: the tick is the backstop. Code in the same process wakes it with
+`poke` (the dispatcher does, for a submission it was handed while idle). A store that cannot be reached is
 waited out (the subscription is taken again on the next pass); a pass never transitions anything from
 memory, so running one again is always safe.
 """
@@ -30,6 +31,9 @@ class WokenLoop:
         self.tick = tick
         self.run_pass = run_pass
         self._sub: Subscription | None = None
+        self._poked = asyncio.Event()
+        # between passes, waiting for a wake-up (not while a pass runs, nor while the store is down)
+        self.idle = False
 
     async def _listen(self) -> None:
         if self._sub is None or self._sub.closed:
@@ -40,19 +44,37 @@ class WokenLoop:
         if sub is not None:
             await sub.close()
 
+    def poke(self) -> None:
+        """A pass now (or, if one is running, right after it), as a notification would bring."""
+        self.idle = False
+        self._poked.set()
+
     async def _woken(self) -> None:
-        """Until a notification (every one heard meanwhile counts as the same wake-up) or the tick."""
+        """Until a notification (every one heard meanwhile counts as the same wake-up), a poke or the
+        tick."""
         sub = self._sub
         if sub is None:
             await asyncio.sleep(self.tick)  # not listening (the store is down): the tick only
             return
-        try:
-            await asyncio.wait_for(sub.get(), timeout=self.tick)
-        except TimeoutError:
+        if self._poked.is_set():
+            self._poked.clear()
             return
-        except StoreUnavailable:
+        heard = asyncio.ensure_future(sub.get())
+        poked = asyncio.ensure_future(self._poked.wait())
+        self.idle = True
+        try:
+            await asyncio.wait((heard, poked), timeout=self.tick, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.idle = False
+            heard.cancel()
+            poked.cancel()
+        self._poked.clear()
+        failed = heard.exception() if heard.done() and not heard.cancelled() else None
+        if isinstance(failed, StoreUnavailable):
             await self._drop()  # the next pass listens again
             return
+        if failed is not None:
+            raise failed
         sub.drain()
 
     async def run(self) -> None:

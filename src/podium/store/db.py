@@ -235,6 +235,25 @@ class DispatchOutcome:
     window_full: bool = False  # nothing claimed: too many assignments wait for their nodes already
     # Assigns marked delivered by this dispatch (their nodes' streams are the caller's): to push now
     delivered: list[OutboxRow] = field(default_factory=list)
+    # the tasks of each submission given to the pass, stored in its transaction (empty: none were,
+    # the window was full and the pass ended before its transaction)
+    submitted: list[dict[uuid.UUID, TaskRow]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Submissions:
+    """Submissions ready to store (`Store.submissions`): the tasks' ids, the insert's columns, who
+    submitted them and the named spec they came from (if any)."""
+
+    ids: tuple[uuid.UUID, ...]
+    # insert_tasks' arrays in its order: id, name, spec (JSON text), priority, cpu, memory, disk, gpus,
+    # timeout, max_attempts, requeue_on_node_loss, idempotency_key
+    columns: tuple[
+        list[uuid.UUID], list[str | None], list[str], list[int], list[int], list[int], list[int], list[int],
+        list[float | None], list[int], list[bool], list[str | None],
+    ]
+    actor: str
+    named: tuple[list[str | None], list[int | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,6 +483,41 @@ class Store:
             )
         return existing
 
+    @staticmethod
+    def submissions(
+        items: Sequence[tuple[TaskSpec, str | None]],
+        *,
+        actor: str,
+        ids: Sequence[uuid.UUID] | None = None,
+        spec_name: str | None = None,
+        spec_revision: int | None = None,
+    ) -> Submissions:
+        """Tasks ready to be stored by `submit_many` or by a dispatch pass (`dispatch(submissions=…)`):
+        their ids chosen now, so that storing them again after a failure can tell whether the first
+        try was committed."""
+        # the specs go as the JSON text pydantic writes, cast to jsonb in the statement: no decoding
+        # into dicts here only to encode them again
+        specs = [spec.model_dump_json() for spec, _key in items]
+        keys = [key for _spec, key in items]
+        dup = {k for k in keys if k is not None and keys.count(k) > 1}
+        if dup:
+            raise Conflict(f"idempotency keys {sorted(dup)} appear more than once in this batch")
+        ids = list(ids) if ids is not None else [uuid.uuid4() for _ in items]
+        if len(ids) != len(items):
+            raise ValueError(f"{len(ids)} task ids for {len(items)} submissions")
+        columns = (
+            ids, [s.name for s, _ in items], specs, [s.priority for s, _ in items],
+            [s.resources.cpu for s, _ in items], [s.resources.memory for s, _ in items],
+            [s.resources.disk for s, _ in items], [s.resources.gpus for s, _ in items],
+            [s.timeout for s, _ in items], [s.max_attempts for s, _ in items],
+            [s.requeue_on_node_loss for s, _ in items], keys,
+        )  # fmt: skip
+        return Submissions(tuple(ids), columns, actor, ([spec_name] * len(items), [spec_revision] * len(items)))
+
+    async def _insert_tasks(self, conn: _Conn, sub: Submissions, *, wake_dispatch: bool = True) -> dict[uuid.UUID, TaskRow]:
+        rows = await conn.fetch(self.q["insert_tasks"], *sub.columns, reasons.WAITING, sub.actor, *sub.named, wake_dispatch)
+        return {r.id: r for r in TaskRow.many(rows)}
+
     @_retried
     async def submit_many(
         self,
@@ -472,42 +526,39 @@ class Store:
         actor: str,
         spec_name: str | None = None,
         spec_revision: int | None = None,
+        ids: Sequence[uuid.UUID] | None = None,
     ) -> list[tuple[TaskRow, bool]]:
         """Many submissions in one statement and one commit; per item the same answer `submit` gives.
-        The whole batch is refused (nothing stored) if any item reuses a key for a different spec."""
-        # the specs go as the JSON text pydantic writes, cast to jsonb in the statement: no decoding
-        # into dicts here only to encode them again
-        specs = [spec.model_dump_json() for spec, _key in items]
+        The whole batch is refused (nothing stored) if any item reuses a key for a different spec.
+
+        With `ids`, the tasks get those ids; if a dispatch pass that was given the same submission
+        failed after committing it, its tasks are returned as they are now (created=True: it was this
+        submission that made them)."""
+        sub = self.submissions(items, actor=actor, ids=ids, spec_name=spec_name, spec_revision=spec_revision)
         keys = [key for _spec, key in items]
-        dup = {k for k in keys if k is not None and keys.count(k) > 1}
-        if dup:
-            raise Conflict(f"idempotency keys {sorted(dup)} appear more than once in this batch")
-        ids = [uuid.uuid4() for _ in items]
-        cols = [
-            ids, [s.name for s, _ in items], specs, [s.priority for s, _ in items],
-            [s.resources.cpu for s, _ in items], [s.resources.memory for s, _ in items],
-            [s.resources.disk for s, _ in items], [s.resources.gpus for s, _ in items],
-            [s.timeout for s, _ in items], [s.max_attempts for s, _ in items],
-            [s.requeue_on_node_loss for s, _ in items], keys,
-        ]  # fmt: skip
-        named = ([spec_name] * len(items), [spec_revision] * len(items))
         if all(k is None for k in keys):
             # Without idempotency keys nothing can conflict, and the one statement is atomic by
             # itself: no BEGIN and COMMIT round trips around it.
             async with self._conn() as conn:
-                rows = await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named)
-            by_id = {r.id: r for r in TaskRow.many(rows)}
-            return [(by_id[i], True) for i in ids]
+                try:
+                    by_id = await self._insert_tasks(conn, sub)
+                except asyncpg.UniqueViolationError as e:
+                    if ids is None or e.constraint_name != "tasks_pkey":
+                        raise
+                    by_id = {r.id: r for r in TaskRow.many(await conn.fetch(self.q["tasks_by_ids"], list(sub.ids)))}
+                    if set(by_id) != set(sub.ids):  # one transaction stored them all, or none
+                        raise
+            return [(by_id[i], True) for i in sub.ids]
         async with self._conn() as conn, conn.transaction():
-            inserted = {r.id: r for r in TaskRow.many(await conn.fetch(self.q["insert_tasks"], *cols, reasons.WAITING, actor, *named))}
-            missing = [k for i, k in zip(ids, keys, strict=True) if i not in inserted]
+            inserted = await self._insert_tasks(conn, sub)
+            missing = [k for i, k in zip(sub.ids, keys, strict=True) if i not in inserted]
             existing = (
                 {r.idempotency_key: r for r in TaskRow.many(await conn.fetch(self.q["tasks_by_idempotency_keys"], missing))}
                 if missing
                 else {}
             )
             out = []
-            for tid, key, spec_text in zip(ids, keys, specs, strict=True):
+            for tid, key, spec_text in zip(sub.ids, keys, sub.columns[2], strict=True):
                 if tid in inserted:
                     out.append((inserted[tid], True))
                 else:
@@ -863,6 +914,7 @@ class Store:
         nodes_since: int | None = None,
         reconcile_seconds: float = 30.0,
         deliver_here: Collection[str] = (),
+        submissions: Sequence[Submissions] = (),
     ) -> DispatchOutcome:
         """Claim up to `claim_limit` queued tasks, as many as `plan` wants, let it place them, and make
         the result durable in one transaction: reservations, attempts, fencing tokens, leases, events,
@@ -882,6 +934,10 @@ class Store:
         age), for as long as `plan.want` asks: a pass that can place only a few tasks locks only a few
         rows instead of the backlog's whole head.
 
+        `submissions` are new tasks to store first, in the same transaction, where the claim sees them:
+        a task submitted to an idle dispatcher is stored and placed in one commit. They are stored
+        only with a claim (`DispatchOutcome.submitted`); a full window stores nothing of them.
+
         A pass is six round trips when it places anything (the window, horizon, operations and
         changed nodes in one read, BEGIN, a claim per chunk, the nodes' locks, the reservations and
         assignments in one write, COMMIT): on an idle fleet a task's way to its node is mostly these."""
@@ -889,7 +945,7 @@ class Store:
         try:
             return await self._dispatch(
                 out, claim_limit, assign_window, accept_seconds, lease_seconds, plan, actor, nodes_since,
-                reconcile_seconds, sorted(deliver_here),
+                reconcile_seconds, sorted(deliver_here), submissions,
             )
         except asyncpg.UniqueViolationError:
             # another scheduler handed out one of the same GPU indexes first: nothing of this batch
@@ -909,6 +965,7 @@ class Store:
         nodes_since: int | None,
         reconcile_seconds: float,
         deliver_here: list[str],
+        submissions: Sequence[Submissions],
     ) -> DispatchOutcome:
         async with self._conn() as conn:
             # the horizon (whatever commits after it is read again next time), the window, the
@@ -927,6 +984,10 @@ class Store:
             operations = dict(zip(facts["operation_nodes"], facts["operations"], strict=True))
             plan.begin(nodes, room, facts["horizon"], operations)
             async with conn.transaction():
+                # new tasks first, visible to the claim below: stored and placed in one commit. No
+                # dispatcher is woken for them: this pass claims them, and one that cannot place
+                # them now is woken again by what frees room, as for any queued task
+                out.submitted = [await self._insert_tasks(conn, sub, wake_dispatch=False) for sub in submissions]
                 return await self._claim_and_assign(
                     conn, out, accept_seconds, lease_seconds, plan, actor, reconcile_seconds, deliver_here
                 )

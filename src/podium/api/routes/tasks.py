@@ -50,7 +50,9 @@ def submitted(row: TaskRow, created: bool) -> JSONResponse:
 
 
 @router.post("/v1/tasks", response_model=SubmitResponse, status_code=201, responses=SUBMIT)
-async def submit(body: SubmitRequest, who: Operator, store: StoreDep, security: SecurityDep, admission: Admission) -> Any:
+async def submit(
+    body: SubmitRequest, who: Operator, scheduler: SchedulerDep, security: SecurityDep, admission: Admission
+) -> Any:
     """Submit a task. With an `idempotency_key` already used, returns that task (200) instead."""
     missing = await security.missing_secrets([r.name for r in body.secrets]) if body.secrets else []
     if missing:
@@ -59,7 +61,7 @@ async def submit(body: SubmitRequest, who: Operator, store: StoreDep, security: 
             "create them with `podium secret set NAME` first"
         )
     admission.admit()
-    row, created = await store.submit(body.task_spec(), idempotency_key=body.idempotency_key, actor=who.actor)
+    [(row, created)] = await scheduler.submit_many([(body.task_spec(), body.idempotency_key)], actor=who.actor)
     return submitted(row, created)
 
 
@@ -79,7 +81,9 @@ async def check(body: SubmitRequest, _who: Viewer, scheduler: SchedulerDep) -> C
 
 
 @router.post("/v1/tasks/batch", response_model=list[SubmitResponse], responses=_SUBMIT_BATCH)
-async def submit_batch(body: BatchIn, who: Operator, store: StoreDep, security: SecurityDep, admission: Admission) -> list[SubmitResponse]:
+async def submit_batch(
+    body: BatchIn, who: Operator, scheduler: SchedulerDep, security: SecurityDep, admission: Admission
+) -> list[SubmitResponse]:
     """Submit up to 1,000 tasks in one transaction: all are stored, or none (a reused idempotency
     key with a different spec refuses the whole batch). Each answer is what a single submit gives."""
     names = sorted({r.name for t in body.tasks for r in t.secrets})
@@ -87,7 +91,7 @@ async def submit_batch(body: BatchIn, who: Operator, store: StoreDep, security: 
     if missing:
         raise InvalidRequest(f"secrets: {', '.join(repr(m) for m in missing)} do not exist; create them first")
     admission.admit(len(body.tasks))
-    rows = await store.submit_many([(t.task_spec(), t.idempotency_key) for t in body.tasks], actor=who.actor)
+    rows = await scheduler.submit_many([(t.task_spec(), t.idempotency_key) for t in body.tasks], actor=who.actor)
     return [SubmitResponse(task=task_out(r), created=c) for r, c in rows]
 
 

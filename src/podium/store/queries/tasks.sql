@@ -3,7 +3,7 @@
 
 -- insert_tasks --
 -- Submissions (one, or a batch) in one statement: each task, its first event and its audit entry,
--- one NOTIFY for dispatch, and one for the resolver loop only if a task has an image tag to resolve
+-- one NOTIFY for dispatch unless $17 says not (a dispatch pass storing them claims them itself), and one for the resolver loop only if a task has an image tag to resolve
 -- (every other wake-up of it would be a query that finds nothing, on the way of every submit's
 -- placement). ON CONFLICT on the idempotency key makes a retried submit return no row for it; the
 -- caller then reads the task the first submit created. (Its predicate lets the key's UNIQUE constraint
@@ -28,11 +28,14 @@ WITH d AS (
     INSERT INTO audit_log (actor, action, target, detail)
     SELECT $14, 'task.submit', id::text, jsonb_build_object('name', name) FROM t
 ), n AS (
-    SELECT pg_notify('podium_dispatch', '') FROM t LIMIT 1
+    SELECT pg_notify('podium_dispatch', '') FROM t WHERE $17::bool LIMIT 1
 ), r AS (
     SELECT pg_notify('podium_resolve', '') FROM t WHERE t.image IS NOT NULL AND t.image_digest IS NULL LIMIT 1
 )
 SELECT t.*, (SELECT count(*) FROM n) + (SELECT count(*) FROM r) AS notified FROM t
+
+-- tasks_by_ids --
+SELECT * FROM tasks WHERE id = ANY($1::uuid[])
 
 -- tasks_by_idempotency_keys --
 SELECT * FROM tasks WHERE idempotency_key = ANY($1::text[])
