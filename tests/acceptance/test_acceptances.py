@@ -75,3 +75,44 @@ def test_an_acceptance_its_task_does_not_confirm_is_decided_on_what_the_task_hol
         assert _provisioning_events(api, b) == 0 and ended["attempt_list"][-1]["provisioning_at"] is None
     finally:
         node.close()
+
+
+def test_a_running_is_recorded_with_the_lease_its_tasks_timeout_gives(cluster: Cluster) -> None:
+    """A `running` whose Assign the stream carried is made on the row it expects (one round trip):
+    its lease is still the task's own timeout plus grace, or none with no timeout, and a `running`
+    under a token the node was never given is still refused and stopped."""
+    from datetime import datetime
+
+    srv = cluster.server(extra_env={"PODIUM_TEST_TIMER_DIVISOR": "1"})  # grace 60 s, as in production
+    join = srv.data_dir.joinpath("join-token").read_text().strip()
+    node = ProtocolNode(srv.grpc, f"n-{uuid.uuid4().hex[:8]}", join, batches=True, heartbeat=1.0)
+    try:
+        node.next("welcome")
+        api = cluster.api
+        timed, untimed = api.submit_batch({"command": ["true"], "timeout": 600}, {"command": ["true"]})
+        tokens: dict[str, int] = {}
+        while len(tokens) < 2:
+            asg = node.next("assign").assign
+            tokens[asg.task_id] = asg.fencing_token
+        for tid in (timed, untimed):
+            node.send(_event(tid, tokens[tid], K.PROVISIONING))
+            assert node.next("accepted").accepted.task_id == tid
+            api.wait_state(tid, "provisioning", 30)
+
+        # a token this node was never given: refused, and what runs under it stopped
+        node.send(_event(timed, tokens[timed] + 1000, K.RUNNING))
+        sent = node.until(lambda m: m.WhichOneof("kind") == "cancel")
+        assert (sent[-1].cancel.task_id, sent[-1].cancel.fencing_token) == (timed, tokens[timed] + 1000)
+        assert api.task(timed)["state"] == "provisioning"
+
+        for tid in (timed, untimed):
+            node.send(_event(tid, tokens[tid], K.RUNNING))
+        t = api.wait_state(timed, "running", 30)
+        started = datetime.fromisoformat(t["attempt_list"][-1]["started_at"])
+        lease = datetime.fromisoformat(t["lease_expires_at"]) - started
+        assert 600 + 60 - 5 <= lease.total_seconds() <= 600 + 60 + 5, lease  # the timeout plus grace
+        u = api.wait_state(untimed, "running", 30)
+        assert u["lease_expires_at"] is None  # held while its node is healthy
+        assert [e["to_state"] for e in t["events"]] == ["queued", "assigned", "provisioning", "running"]
+    finally:
+        node.close()

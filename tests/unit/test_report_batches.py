@@ -101,3 +101,34 @@ def test_nothing_to_take() -> None:
     assert kinds(batch) == [("n1", a, "running")]
     assert served == [s]
     assert [p.kind.lower() for p in other.events] == ["exited"]
+
+
+def test_a_lone_acceptance_or_a_lone_running_whose_assign_the_stream_carried_is_made_as_expected() -> None:
+    from podium.gateway.reports import _acceptances
+
+    a, b, c, d, e = (uuid.uuid4() for _ in range(5))
+    s = Session("n1", 1)
+    s.carried(1, 600.0)  # the Assigns of a, c and d went out on this stream under token 1
+    again = report(d, "RUNNING")
+    again.tries = 1  # refused once already: read from now on
+    batch = [(s, p) for p in (
+        report(a, "PROVISIONING"),
+        report(b, "RUNNING", token=2),  # an Assign this stream never carried: its timeout is unknown
+        report(c, "RUNNING"), report(c, "EXITED"),  # a running with its end: read, made as one change
+        again,
+        report(e, "RUNNING"),
+    )]  # fmt: skip
+    expected, rest = _acceptances(batch)
+    assert [(p.task_id, p.kind) for _s, p in expected] == [(a, "PROVISIONING"), (e, "RUNNING")]
+    assert [(p.task_id, p.kind) for _s, p in rest] == [(b, "RUNNING"), (c, "RUNNING"), (c, "EXITED"), (d, "RUNNING")]
+
+
+def test_a_stream_remembers_a_bounded_number_of_timeouts() -> None:
+    from podium.gateway.sessions import MAX_TIMEOUTS_KEPT
+
+    s = Session("n1", 1)
+    for token in range(MAX_TIMEOUTS_KEPT):
+        s.carried(token, None)
+    assert len(s.timeouts) == MAX_TIMEOUTS_KEPT
+    s.carried(MAX_TIMEOUTS_KEPT, 5.0)  # past the bound: the rest are forgotten (read instead)
+    assert s.timeouts == {MAX_TIMEOUTS_KEPT: 5.0}

@@ -184,6 +184,7 @@ class Outbox:
             secrets=[pb.SecretValue(env=env, value=value) for env, value in values],
             registries=[pb.RegistryCredential(registry=h, username=u, password=p) for h, u, p in registries],
         )))  # fmt: skip
+        s.carried(token, spec.get("timeout"))
         return True
 
     async def _undeliverable(self, r: OutboxRow, problem: str, detail: dict[str, Any]) -> bool:

@@ -11,8 +11,11 @@ its end, never after it.
 A batch's acceptances (a task's lone `provisioning`: the node waits for its Accepted before it starts
 the task) do not wait for that read: each is decided on what its row is expected to hold — the task
 assigned to this node under this token — and made by one compare-and-set that checks exactly that
-(`Store.transition_expected`: one round trip and its commit, beside the rest of the batch). What a row
-does not confirm is decided again on a read, as every other report is.
+(`Store.transition_expected`: one round trip and its commit, beside the rest of the batch). So is a
+task's lone `running` whose Assign this stream carried (the task provisioning on this node under
+this token; its lease needs the task's timeout, which the stream kept from that Assign): a short
+command's end, which waits for its `running` to be committed, is committed that much sooner. What a
+row does not confirm is decided again on a read, as every other report is.
 """
 
 from __future__ import annotations
@@ -206,15 +209,20 @@ class ReportBatcher:
         self._put_back(accepted)  # what its row did not confirm: read in the next batch
 
     async def _accept_expected(self, batch: list[tuple[Session, Pending]]) -> list[tuple[Session, Pending]]:
-        """Acceptances decided on the row each expects (its task assigned to this node under this
-        token), made without reading it. Returns those their rows refused, to be decided on a read."""
-        assigned = TaskFacts(state=TaskState.ASSIGNED)
+        """Acceptances and `running`s decided on the row each expects (its task assigned to this node
+        under this token, or provisioning there), made without reading it. Returns those their rows
+        refused, to be decided on a read."""
         changes = []
         for s, p in batch:
-            step = policy.on_node_event(assigned, p.kind, None, self.timing)
-            assert step is not None, "the policy accepts a provisioning of an assigned task"
-            changes.append(change(p.task_id, assigned.state, step, actor=f"node:{s.node_id}",
-                                  fencing_token=p.event.fencing_token, node_id=s.node_id))  # fmt: skip
+            if p.kind == protocol.PROVISIONING:
+                expected = TaskFacts(state=TaskState.ASSIGNED)
+            else:  # a `running` whose Assign this stream carried (`_acceptances`)
+                expected = TaskFacts(state=TaskState.PROVISIONING, timeout=s.timeouts[p.event.fencing_token])
+            step = policy.on_node_event(expected, p.kind, None, self.timing)
+            assert step is not None, f"the policy accepts a {p.kind} of a {expected.state} task"
+            changes.append(change(p.task_id, expected.state, step, actor=f"node:{s.node_id}",
+                                  fencing_token=p.event.fencing_token, node_id=s.node_id,
+                                  backend_ref=p.event.backend_ref))  # fmt: skip
         results = await self.store.transition_expected(changes)
         metrics.NODE_REPORT_BATCH.observe(len(batch))
         refused: list[tuple[Session, Pending]] = []
@@ -337,21 +345,25 @@ class ReportBatcher:
         recorded (it may start the attempt), and an Ack for every end (it may forget it)."""
         if applied and p.kind == protocol.PROVISIONING:
             accepted(s, p.event.task_id, p.event.fencing_token)
+        if p.kind == protocol.RUNNING or p.final:
+            s.timeouts.pop(p.event.fencing_token, None)  # its `running` is settled: never decided on it again
         if p.final:
             s.send(pb.ServerMessage(ack=pb.Ack(task_id=p.event.task_id, fencing_token=p.event.fencing_token)))
 
 
 def _acceptances(batch: list[tuple[Session, Pending]]) -> tuple[list[tuple[Session, Pending]], list[tuple[Session, Pending]]]:
-    """The batch's acceptances to make as expected (a task's only report in the batch, its first
-    try), and the rest. A task with several reports here, or one its row already refused once, is
-    read: what follows depends on what it holds."""
+    """The batch's acceptances, and `running`s whose Assign the stream carried, to make as expected
+    (a task's only report in the batch, its first try), and the rest. A task with several reports
+    here, or one its row already refused once, is read: what follows depends on what it holds."""
     per_task: dict[uuid.UUID, int] = {}
     for _s, p in batch:
         per_task[p.task_id] = per_task.get(p.task_id, 0) + 1
     expected: list[tuple[Session, Pending]] = []
     rest: list[tuple[Session, Pending]] = []
     for s, p in batch:
-        lone = p.kind == protocol.PROVISIONING and per_task[p.task_id] == 1 and p.tries == 0
+        lone = per_task[p.task_id] == 1 and p.tries == 0 and (
+            p.kind == protocol.PROVISIONING or (p.kind == protocol.RUNNING and p.event.fencing_token in s.timeouts)
+        )
         (expected if lone else rest).append((s, p))
     return expected, rest
 

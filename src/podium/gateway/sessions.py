@@ -27,6 +27,8 @@ from podium.timing import Timing
 
 log = logging.getLogger(__name__)
 
+MAX_TIMEOUTS_KEPT = 65536  # Assigns whose timeouts one stream remembers at most (Session.timeouts)
+
 
 @dataclass(eq=False, slots=True)
 class Pending:
@@ -54,6 +56,16 @@ class Session:
     room: asyncio.Event = field(default_factory=asyncio.Event)  # set while the backlog is below the limit
     instance_id: str = ""  # the agent process on the other end ("" from an agent too old to say)
     batches: bool = False  # the agent reads ServerBatch (its Hello said so); an older one is sent one by one
+    # The timeout of each task this stream carried an Assign for, by fencing token, until its `running`
+    # is settled: what the policy needs to decide that `running` on the row it expects (the lease is
+    # the timeout plus grace) without reading it. A spec never changes, so this is what a read would
+    # say; a token not here (an Assign another replica, or an earlier stream, delivered) is read.
+    timeouts: dict[int, float | None] = field(default_factory=dict)
+
+    def carried(self, token: int, timeout: float | None) -> None:
+        if len(self.timeouts) >= MAX_TIMEOUTS_KEPT:
+            self.timeouts.clear()  # attempts that never said `running` (cancelled, revoked): read instead
+        self.timeouts[token] = timeout
 
     def send(self, msg: pb.ServerMessage) -> None:
         self.out.put_nowait(msg)
