@@ -172,3 +172,41 @@ async def test_a_full_window_or_a_held_dispatcher_leaves_the_submission_to_its_h
         assert [s for s, _ in await txids(store, row.id)] == ["queued"]
     assert (await store.get_task(waiting)).state == "assigned"
     assert await task_count(store) == 3
+
+
+async def test_a_stopped_pass_or_a_closed_scheduler_leaves_the_submission_to_its_handler(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server stopping: a pass cancelled in its commit (stored, the answer lost), or a dispatcher
+    closed with a submission handed to it and no pass taken yet. Its handler stores the tasks once."""
+    await add_node(store, "n1", slots=4)
+    real = store.dispatch
+
+    async def stopped_after_commit(**kw: Any) -> Any:
+        out = await real(**kw)
+        if kw["submissions"]:
+            raise asyncio.CancelledError
+        return out
+
+    monkeypatch.setattr(store, "dispatch", stopped_after_commit)
+    sched = Scheduler(store, DEFAULT_TIMING, server_id="a")
+    loop = asyncio.get_running_loop().create_task(sched.dispatcher.loop.run())
+    await until(lambda: sched.dispatcher.loop.idle, "the dispatch loop waits for a wake-up")
+    [(row, created)] = await asyncio.wait_for(sched.submit_many([(spec(name="stopped"), None)], actor="op"), WAIT)
+    assert created and row.name == "stopped"
+    with pytest.raises(asyncio.CancelledError):
+        await loop  # the loop itself stopped with its pass
+    await sched.dispatcher.loop.close()
+    assert (await store.get_task(row.id)).state == "assigned"  # what that pass committed
+
+    monkeypatch.setattr(store, "dispatch", real)
+    # only the close answers it: the handler's own bound on its wait is out of reach here
+    monkeypatch.setattr("podium.scheduler.service.HANDED_WAIT", 3600.0)
+    closed = Scheduler(store, DEFAULT_TIMING, server_id="b")
+    closed.dispatcher.loop.idle = True  # as it was when the submission came; no pass will run
+    handler = asyncio.get_running_loop().create_task(closed.submit_many([(spec(name="closed"), None)], actor="op"))
+    await until(lambda: bool(closed.dispatcher._handed), "the submission is handed to the dispatcher")
+    await closed.close()
+    [(row2, created)] = await asyncio.wait_for(handler, WAIT)
+    assert created and (await store.get_task(row2.id)).state == "queued"
+    assert await task_count(store) == 2

@@ -38,6 +38,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from podium import metrics
+from podium.errors import StoreUnavailable
 from podium.placement import NodeSnapshot, Placer, Requirements, Resources, Unplaceable, placeable_at_most
 from podium.scheduler.woken import WokenLoop
 from podium.store import Store
@@ -255,12 +256,20 @@ class Dispatcher:
         for i, (_sub, fut) in enumerate(handed):
             if fut.done():
                 continue  # its handler is gone (the request was cancelled)
-            if isinstance(stored, asyncio.CancelledError):
-                fut.cancel()
+            if isinstance(stored, BaseException) and not isinstance(stored, Exception):
+                # the pass was stopped (the server is stopping), perhaps in its commit: its handler
+                # stores the tasks itself, which finds them if they were stored
+                fut.set_exception(StoreUnavailable(f"the dispatch pass was stopped ({type(stored).__name__})"))
             elif isinstance(stored, BaseException):
                 fut.set_exception(stored)
             else:
                 fut.set_result(stored[i] if i < len(stored) else None)
+
+    def release_handed(self) -> None:
+        """The loop is stopping: submissions handed to it and not yet taken by a pass are left to
+        their handlers."""
+        handed, self._handed = self._handed, []
+        self._answer_handed(handed, [])
 
     async def _pass(self) -> float | None:
         outcome = await self.dispatch_once()

@@ -70,6 +70,7 @@ class Scheduler:
         return {"scheduler.dispatch": self.dispatcher.loop.run, "scheduler.watchdog": self.watchdog.loop}
 
     async def close(self) -> None:
+        self.dispatcher.release_handed()  # its loop is stopped: what it held goes back to the handlers
         await self.dispatcher.loop.close()
 
     async def submit_many(self, items: list[tuple[TaskSpec, str | None]], *, actor: str) -> list[tuple[TaskRow, bool]]:
