@@ -210,3 +210,30 @@ async def test_a_stopped_pass_or_a_closed_scheduler_leaves_the_submission_to_its
     [(row2, created)] = await asyncio.wait_for(handler, WAIT)
     assert created and (await store.get_task(row2.id)).state == "queued"
     assert await task_count(store) == 2
+
+
+async def test_a_handler_that_stops_waiting_and_a_pass_that_stores_late_make_one_task(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass slower than its handler's wait: the handler stores the tasks itself, under the ids the
+    pass was given; whichever insert comes second finds the first's row (the pass stores nothing and
+    places the task next time, or the handler reads what the pass stored). One task either way."""
+    await add_node(store, "n1", slots=4)
+    real = store.dispatch
+    slowed: list[bool] = []
+
+    async def slow_once(**kw: Any) -> Any:
+        if kw["submissions"] and not slowed:
+            slowed.append(True)
+            await asyncio.sleep(1.0)  # the handler's wait (below) ends long before
+        return await real(**kw)
+
+    monkeypatch.setattr(store, "dispatch", slow_once)
+    monkeypatch.setattr("podium.scheduler.service.HANDED_WAIT", 0.05)
+    async with running(Scheduler(store, DEFAULT_TIMING, server_id="a")) as sched:
+        [(row, created)] = await asyncio.wait_for(sched.submit_many([(spec(name="late"), None)], actor="op"), WAIT)
+        assert created and row.name == "late" and slowed == [True]
+        await until_state(store, row.id, "assigned")
+    assert await task_count(store) == 1
+    async with store.pool.acquire() as c:
+        assert await c.fetchval("SELECT count(*) FROM audit_log WHERE action = 'task.submit'") == 1

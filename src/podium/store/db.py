@@ -947,10 +947,15 @@ class Store:
                 out, claim_limit, assign_window, accept_seconds, lease_seconds, plan, actor, nodes_since,
                 reconcile_seconds, sorted(deliver_here), submissions,
             )
-        except asyncpg.UniqueViolationError:
-            # another scheduler handed out one of the same GPU indexes first: nothing of this batch
-            # was written; the next tick places it again on fresh state
-            log.info("dispatch batch lost a GPU race to another scheduler; retrying")
+        except asyncpg.UniqueViolationError as e:
+            # Nothing of this batch was written; the next tick places it again on fresh state. Either
+            # another scheduler handed out one of the same GPU indexes first, or a submission given
+            # to this pass was stored by its handler first (it stopped waiting for this pass): the
+            # pass answers that it stored nothing of it, which the handler's own insert already did.
+            if e.constraint_name == "tasks_pkey":
+                log.info("dispatch batch: a submission it was given was stored by its handler first; retrying")
+            else:
+                log.info("dispatch batch lost a GPU race to another scheduler; retrying")
             return DispatchOutcome(claimed=out.claimed, lost_races=out.claimed, limit=out.limit)
 
     async def _dispatch(
