@@ -213,7 +213,7 @@ async def test_a_stopped_pass_or_a_closed_scheduler_leaves_the_submission_to_its
 
 
 async def test_a_handler_that_stops_waiting_and_a_pass_that_stores_late_make_one_task(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    store: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A pass slower than its handler's wait: the handler stores the tasks itself, under the ids the
     pass was given; whichever insert comes second finds the first's row (the pass stores nothing and
@@ -230,9 +230,11 @@ async def test_a_handler_that_stops_waiting_and_a_pass_that_stores_late_make_one
 
     monkeypatch.setattr(store, "dispatch", slow_once)
     monkeypatch.setattr("podium.scheduler.service.HANDED_WAIT", 0.05)
+    caplog.set_level(logging.WARNING, logger="podium.scheduler.service")
     async with running(Scheduler(store, DEFAULT_TIMING, server_id="a")) as sched:
         [(row, created)] = await asyncio.wait_for(sched.submit_many([(spec(name="late"), None)], actor="op"), WAIT)
         assert created and row.name == "late" and slowed == [True]
+        assert "a dispatch pass given 1 new tasks did not answer within 0.05s; storing them on their own" in caplog.text
         await until_state(store, row.id, "assigned")
     assert await task_count(store) == 1
     async with store.pool.acquire() as c:

@@ -86,7 +86,10 @@ class Scheduler:
             stored = None
             try:
                 stored = await asyncio.wait_for(handed, HANDED_WAIT)
-            except Exception as e:  # a timeout too
+            except TimeoutError:
+                log.warning("a dispatch pass given %d new tasks did not answer within %gs; storing them on their own",
+                            len(items), HANDED_WAIT)  # fmt: skip
+            except Exception as e:
                 log.warning("a dispatch pass given %d new tasks failed (%s); storing them on their own", len(items), e)
             if stored is not None:
                 return [(stored[i], True) for i in sub.ids]
