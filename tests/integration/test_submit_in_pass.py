@@ -21,6 +21,10 @@ from podium.timing import DEFAULT_TIMING
 from tests.integration.helpers import add_node, place, submit
 
 WAIT = 30.0  # seconds a condition may take on a slow, busy machine
+# No pass of the loop's own (the tick): a test's submission must find the dispatcher idle, and a pass
+# the tick began at that moment would make it the handler's, on a machine of any speed. Every pass
+# here is one a submission, a NOTIFY or the test asked for.
+TIMING = dataclasses.replace(DEFAULT_TIMING, tick=3600.0)
 
 
 async def until(cond: Callable[[], bool], what: str) -> None:
@@ -63,7 +67,7 @@ async def task_count(store: Store) -> int:
 
 async def test_an_idle_dispatcher_stores_and_places_a_submission_in_one_transaction(store: Store) -> None:
     await add_node(store, "n1", slots=4)
-    async with running(Scheduler(store, DEFAULT_TIMING, server_id="a")) as sched:
+    async with running(Scheduler(store, TIMING, server_id="a")) as sched:
         [(row, created)] = await sched.submit_many([(spec(name="first"), None)], actor="op")
         assert created and row.name == "first"
         # answered once the pass committed: the task is on its node already
@@ -82,7 +86,7 @@ async def test_an_idle_dispatcher_stores_and_places_a_submission_in_one_transact
 
 
 async def test_a_submission_the_pass_cannot_place_is_stored_by_it_and_queued(store: Store) -> None:
-    async with running(Scheduler(store, DEFAULT_TIMING, server_id="a")) as sched:
+    async with running(Scheduler(store, TIMING, server_id="a")) as sched:
         [(row, created)] = await sched.submit_many([(spec(), None)], actor="op")
     assert created
     task = await store.get_task(row.id)
@@ -94,7 +98,7 @@ async def test_a_submission_the_pass_cannot_place_is_stored_by_it_and_queued(sto
 async def test_a_keyed_submission_or_a_busy_dispatcher_is_stored_by_its_handler(store: Store) -> None:
     await add_node(store, "n1", slots=4)
     # no loop running: the dispatcher is not idle and takes nothing
-    sched = Scheduler(store, DEFAULT_TIMING, server_id="a")
+    sched = Scheduler(store, TIMING, server_id="a")
     assert sched.dispatcher.take_submission(store.submissions([(spec(), None)], actor="op")) is None
     [(alone, _)] = await sched.submit_many([(spec(), None)], actor="op")
     assert (await store.get_task(alone.id)).state == "queued"
@@ -137,6 +141,9 @@ async def test_a_failed_pass_loses_nothing_and_stores_nothing_twice(
         return await real(**kw)
 
     monkeypatch.setattr(store, "dispatch", fails_once)
+    # The ordinary tick: a loop whose pass lost the store listens again only at its next tick, and
+    # that pass places what the handler stored meanwhile (the one submission below is taken in the
+    # same turn as the loop is seen idle: no tick can come between)
     with caplog.at_level(logging.WARNING, logger="podium.scheduler.service"):
         async with running(Scheduler(store, DEFAULT_TIMING, server_id="a")) as sched:
             rows = await sched.submit_many([(spec(name="x"), None), (spec(name="y"), None)], actor="op")
@@ -158,8 +165,8 @@ async def test_a_full_window_or_a_held_dispatcher_leaves_the_submission_to_its_h
     await add_node(store, "n1", slots=4)
     waiting = await submit(store)
     await place(store)  # assigned, not yet accepted: a window of one is full
-    full = Scheduler(store, dataclasses.replace(DEFAULT_TIMING, assign_window=1), server_id="a")
-    held = Scheduler(store, DEFAULT_TIMING, server_id="b")
+    full = Scheduler(store, dataclasses.replace(TIMING, assign_window=1), server_id="a")
+    held = Scheduler(store, TIMING, server_id="b")
     held.hold_while_behind(lambda: DEFAULT_TIMING.provisioning_deadline)  # its gateway far behind
     for sched in (full, held):
         sched.dispatcher.loop.idle = True  # as it was when the submission came
@@ -189,7 +196,7 @@ async def test_a_stopped_pass_or_a_closed_scheduler_leaves_the_submission_to_its
         return out
 
     monkeypatch.setattr(store, "dispatch", stopped_after_commit)
-    sched = Scheduler(store, DEFAULT_TIMING, server_id="a")
+    sched = Scheduler(store, TIMING, server_id="a")
     loop = asyncio.get_running_loop().create_task(sched.dispatcher.loop.run())
     await until(lambda: sched.dispatcher.loop.idle, "the dispatch loop waits for a wake-up")
     [(row, created)] = await asyncio.wait_for(sched.submit_many([(spec(name="stopped"), None)], actor="op"), WAIT)
@@ -202,7 +209,7 @@ async def test_a_stopped_pass_or_a_closed_scheduler_leaves_the_submission_to_its
     monkeypatch.setattr(store, "dispatch", real)
     # only the close answers it: the handler's own bound on its wait is out of reach here
     monkeypatch.setattr("podium.scheduler.service.HANDED_WAIT", 3600.0)
-    closed = Scheduler(store, DEFAULT_TIMING, server_id="b")
+    closed = Scheduler(store, TIMING, server_id="b")
     closed.dispatcher.loop.idle = True  # as it was when the submission came; no pass will run
     handler = asyncio.get_running_loop().create_task(closed.submit_many([(spec(name="closed"), None)], actor="op"))
     await until(lambda: bool(closed.dispatcher._handed), "the submission is handed to the dispatcher")
@@ -231,7 +238,7 @@ async def test_a_handler_that_stops_waiting_and_a_pass_that_stores_late_make_one
     monkeypatch.setattr(store, "dispatch", slow_once)
     monkeypatch.setattr("podium.scheduler.service.HANDED_WAIT", 0.05)
     caplog.set_level(logging.WARNING, logger="podium.scheduler.service")
-    async with running(Scheduler(store, DEFAULT_TIMING, server_id="a")) as sched:
+    async with running(Scheduler(store, TIMING, server_id="a")) as sched:
         [(row, created)] = await asyncio.wait_for(sched.submit_many([(spec(name="late"), None)], actor="op"), WAIT)
         assert created and row.name == "late" and slowed == [True]
         assert "a dispatch pass given 1 new tasks did not answer within 0.05s; storing them on their own" in caplog.text
