@@ -266,8 +266,8 @@ class Dispatcher:
                 fut.set_result(stored[i] if i < len(stored) else None)
 
     def release_handed(self) -> None:
-        """The loop is stopping: submissions handed to it and not yet taken by a pass are left to
-        their handlers."""
+        """Leave the submissions handed to this dispatcher and not yet taken by a pass to their
+        handlers: its pass is held, or its loop is stopping."""
         handed, self._handed = self._handed, []
         self._answer_handed(handed, [])
 
@@ -283,8 +283,7 @@ class Dispatcher:
 
     async def dispatch_once(self) -> DispatchOutcome:
         if self.reports_behind() > self.timing.provisioning_deadline * HOLD_SHARE:
-            handed, self._handed = self._handed, []
-            self._answer_handed(handed, [])  # not placed now: their handlers store them at once
+            self.release_handed()  # not placed now: their handlers store them at once
             metrics.DISPATCH_HELD.inc()
             return DispatchOutcome(window_full=True)  # looked at again soon, like a full window
         started = time.perf_counter()
