@@ -74,7 +74,9 @@ class _Watch:
 
     def _follow(self) -> None:
         try:
-            for e in self.client.events(kind="task", on_open=self.opened.set):
+            # only what the figures need: a stream of every state a task passes through would cost
+            # the server and this client three events more a task
+            for e in self.client.events(kind="task", state=("running", *sorted(TERMINAL)), on_open=self.opened.set):
                 self._note(e.task_id, e.state)
         except Exception as e:  # noqa: BLE001 - any end of the stream: the waiter polls instead
             if not self._stop:

@@ -22,7 +22,7 @@ import json
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -489,9 +489,10 @@ class _Stream:
         return 0.5
 
 
-def _events_stream(addr: str, task: str | None, node: str | None, state: str | None, kind: str | None, after: int | None,
-                   on_open: Callable[[], None] | None) -> _Stream:  # fmt: skip
-    params = {k: v for k, v in (("task", task), ("node", node), ("state", state), ("kind", kind)) if v}
+def _events_stream(addr: str, task: str | None, node: str | None, state: str | Iterable[str] | None, kind: str | None,
+                   after: int | None, on_open: Callable[[], None] | None) -> _Stream:  # fmt: skip
+    states = state if state is None or isinstance(state, str) else ",".join(state)
+    params = {k: v for k, v in (("task", task), ("node", node), ("state", states), ("kind", kind)) if v}
     return _Stream(addr, "/v1/events", params, None if after is None else str(after), on_open)
 
 
@@ -620,10 +621,11 @@ class Client:
             if item is not None:
                 yield item
 
-    def events(self, *, task: str | None = None, node: str | None = None, state: str | None = None,
+    def events(self, *, task: str | None = None, node: str | None = None, state: str | Iterable[str] | None = None,
                kind: str | None = None, after: int | None = None, on_open: Callable[[], None] | None = None,
                ) -> Iterator[Event]:  # fmt: skip
-        """Task and node events from now on (or after event id `after`), forever. `on_open` is called
+        """Task and node events from now on (or after event id `after`), forever. `state` keeps only task
+        events into that state, or into any of several (`("running", "succeeded")`). `on_open` is called
         each time the stream is open (again): every event after that moment will be delivered."""
         for _name, data in self._stream(_events_stream(self.addr, task, node, state, kind, after, on_open)):
             yield Event.of(json.loads(data))
@@ -796,7 +798,7 @@ class AsyncClient:
             if item is not None:
                 yield item
 
-    async def events(self, *, task: str | None = None, node: str | None = None, state: str | None = None,
+    async def events(self, *, task: str | None = None, node: str | None = None, state: str | Iterable[str] | None = None,
                      kind: str | None = None, after: int | None = None, on_open: Callable[[], None] | None = None,
                      ) -> AsyncIterator[Event]:  # fmt: skip
         async for _name, data in self._stream(_events_stream(self.addr, task, node, state, kind, after, on_open)):

@@ -132,6 +132,15 @@ def test_log_stream_follows_and_resumes_by_chunk_id(cluster: Cluster) -> None:
     assert len({c["id"] for c in chunks}) == len(chunks)  # each resume continued after the last, none twice
     end = json.loads(events[-1]["data"])
     assert end["state"] == "succeeded" and end["exit_code"] == 0
-    bad = httpx.get(f"{server.api}/v1/events?state=dancing", headers={"Authorization": f"Bearer {ADMIN_TOKENS[server.api]}"})
+    auth = {"Authorization": f"Bearer {ADMIN_TOKENS[server.api]}"}
+    bad = httpx.get(f"{server.api}/v1/events?state=dancing", headers=auth)
     assert bad.status_code == 422 and "dancing" in bad.json()["error"]
+    bad = httpx.get(f"{server.api}/v1/events?state=running,dancing", headers=auth)
+    assert bad.status_code == 422 and "'dancing' is not a task state" in bad.json()["error"]
+    bad = httpx.get(f"{server.api}/v1/events?state=running,,succeeded", headers=auth)
+    assert bad.status_code == 422 and "empty name" in bad.json()["error"]
+    # several states: this task's way into them and nothing else, from the stored events on
+    limited = read_events(server.api, 2, path=f"/v1/events?after=0&task={tid}&state=running,succeeded")
+    assert [(json.loads(e["data"])["task_id"], json.loads(e["data"])["state"]) for e in limited] == [
+        (tid, "running"), (tid, "succeeded")]
     assert httpx.get(f"{server.api}/v1/events").status_code == 401

@@ -73,6 +73,26 @@ async def test_node_changes_are_events_and_a_heartbeat_is_not(store: Store) -> N
     assert await ui.events_after(start, 100, nodes=False) == []
 
 
+async def test_a_stream_limited_to_several_states_reads_the_same_events_live_and_on_catch_up(store: Store) -> None:
+    """`?state=running,succeeded`: the catch-up query (SQL) and the hub's filter (memory) keep the same
+    events, a task's events into any of those states and nothing else, not a node's."""
+    ui = UiStore(store)
+    start = await ui.start_cursor()
+    tid = await submit(store)
+    await add_node(store, "n-states")
+    async with store.pool.acquire() as c:
+        for to in ("assigned", "running", "succeeded"):
+            await c.execute("INSERT INTO task_events (task_id, to_state, actor) VALUES ($1, $2, 'test')", tid, to)
+    everything = await wait_async(lambda: ui.events_after(start, 100), until=lambda got: len(got) >= 5)
+    assert [r.state for r in everything if r.task_id == tid] == ["queued", "assigned", "running", "succeeded"]
+    limited = Filters(None, None, frozenset({"running", "succeeded"}), {"task", "node"})
+    caught_up = await ui.events_after(start, 100, **limited.db())
+    assert [(r.task_id, r.state) for r in caught_up] == [(tid, "running"), (tid, "succeeded")]
+    assert [r.id for r in everything if limited.match(r)] == [r.id for r in caught_up]
+    one = Filters(None, None, frozenset({"queued"}), {"task"})
+    assert [r.state for r in await ui.events_after(start, 100, **one.db())] == ["queued"]
+
+
 async def test_the_hub_wakes_on_notify_and_fans_out_to_filtered_clients(store: Store) -> None:
     ui = UiStore(store)
     hub = EventHub(store, ui)

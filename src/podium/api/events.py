@@ -327,22 +327,22 @@ KEEPALIVE_BYTES = b": keep-alive\n\n"
 class Filters:
     """A stream's filters, checked in memory on the hub's events and in SQL on a catch-up read."""
 
-    def __init__(self, task_id: uuid.UUID | None, node_id: str | None, state: str | None, kinds: set[str]) -> None:
-        self.task_id, self.node_id, self.state, self.kinds = task_id, node_id, state, kinds
+    def __init__(self, task_id: uuid.UUID | None, node_id: str | None, states: frozenset[str] | None, kinds: set[str]) -> None:
+        self.task_id, self.node_id, self.states, self.kinds = task_id, node_id, states, kinds
 
     def match(self, r: StreamEventRow) -> bool:
         if r.kind not in self.kinds:
             return False
         if r.kind == "node":
-            return self.task_id is None and self.state is None and (self.node_id is None or r.node_id == self.node_id)
+            return self.task_id is None and self.states is None and (self.node_id is None or r.node_id == self.node_id)
         return (
             (self.task_id is None or r.task_id == self.task_id)
             and (self.node_id is None or r.node_id == self.node_id)
-            and (self.state is None or r.state == self.state)
+            and (self.states is None or r.state in self.states)
         )
 
     def db(self) -> dict[str, Any]:
-        return {"task_id": self.task_id, "node_id": self.node_id, "state": self.state,
+        return {"task_id": self.task_id, "node_id": self.node_id, "states": None if self.states is None else sorted(self.states),
                 "tasks": "task" in self.kinds, "nodes": "node" in self.kinds}  # fmt: skip
 
 
@@ -355,15 +355,25 @@ async def parse_filters(
             task_id = uuid.UUID(task)
         except ValueError:
             raise InvalidRequest(f"task: {task!r} is not a task id; task ids are UUIDs like 3f2a…") from None
-    if state:
-        try:
-            state = TaskState(state).value
-        except ValueError:
-            raise InvalidRequest(f"state: {state!r} is not a task state; one of {', '.join(s.value for s in TaskState)}") from None
+    states = parse_states(state) if state else None
     node_id = (await store.get_node(node)).id if node else None
     if kind not in (None, "", "task", "node"):
         raise InvalidRequest(f"kind: {kind!r} is neither 'task' nor 'node'; leave it out for both")
-    return Filters(task_id, node_id, state or None, {kind} if kind else {"task", "node"})
+    return Filters(task_id, node_id, states, {kind} if kind else {"task", "node"})
+
+
+def parse_states(raw: str) -> frozenset[str]:
+    """`running` or `running,succeeded,failed`: the task states a stream is limited to."""
+    states = set()
+    for name in raw.split(","):
+        name = name.strip()
+        if not name:
+            raise InvalidRequest(f"state: {raw!r} has an empty name; separate task states with single commas, as in running,succeeded")
+        try:
+            states.add(TaskState(name).value)
+        except ValueError:
+            raise InvalidRequest(f"state: {name!r} is not a task state; one of {', '.join(s.value for s in TaskState)}") from None
+    return frozenset(states)
 
 
 async def resume_cursor(ui: UiStore, last_event_id: str | None, after: int | None) -> Cursor | None:
@@ -458,7 +468,8 @@ def router() -> APIRouter:
         request: Request,
         task: Annotated[str | None, Query(max_length=64, description="only this task's events")] = None,
         node: Annotated[str | None, Query(max_length=128, description="only events on this node (id or name)")] = None,
-        state: Annotated[str | None, Query(max_length=32, description="only task events into this state")] = None,
+        state: Annotated[str | None, Query(max_length=256, description="only task events into this state, or into any of "
+                                           "several separated by commas (running,succeeded,failed)")] = None,
         kind: Annotated[str | None, Query(max_length=8, description="'task' or 'node'; both when left out")] = None,
         after: Annotated[int | None, Query(ge=0, description="resume after this event id (as Last-Event-ID)")] = None,
         last_event_id: Annotated[str | None, Header(max_length=32)] = None,

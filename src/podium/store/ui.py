@@ -46,13 +46,13 @@ class UiStore:
         *,
         task_id: uuid.UUID | None = None,
         node_id: str | None = None,
-        state: str | None = None,
+        states: list[str] | None = None,
         tasks: bool = True,
         nodes: bool = True,
     ) -> list[StreamEventRow]:
         async with self.store._conn() as conn:
             rows = await conn.fetch(
-                self.store.q["events_after"], str(cursor.txid), cursor.id, cursor.floor, limit, task_id, node_id, state, tasks, nodes
+                self.store.q["events_after"], str(cursor.txid), cursor.id, cursor.floor, limit, task_id, node_id, states, tasks, nodes
             )
         return StreamEventRow.many(rows)
 

@@ -14,7 +14,7 @@ LIMIT 1
 -- events_after --
 -- Events after the cursor ($1 txid, $2 id) whose transactions have all ended, in stream order.
 -- $3: only ids above it (a resume from an id no longer stored); $4 limit; filters $5 task, $6 node,
--- $7 task state; $8/$9 include task/node events.
+-- $7 task states (any of them); $8/$9 include task/node events.
 WITH h AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS x)
 SELECT u.kind, u.id, u.txid::text AS txid, u.at, u.task_id, u.task_name, u.from_state, u.state, u.reason, u.actor,
        u.fencing_token, u.attempt, u.node_id, u.health, u.connected, u.draining, u.revoked, u.labels,
@@ -30,13 +30,13 @@ FROM (
      WHERE $8::boolean AND (e.txid, e.id) > ($1::text::xid8, $2::bigint) AND e.id > $3::bigint
        AND e.txid < (SELECT x FROM h)
        AND ($5::uuid IS NULL OR e.task_id = $5) AND ($6::text IS NULL OR a.node_id = $6)
-       AND ($7::text IS NULL OR e.to_state = $7)
+       AND ($7::text[] IS NULL OR e.to_state = ANY($7::text[]))
      ORDER BY e.txid, e.id LIMIT $4)
     UNION ALL
     (SELECT 'node', n.id, n.txid, n.at, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, n.node_id, n.health,
             n.connected, n.draining, n.revoked, n.labels, NULL::timestamptz
      FROM node_states n
-     WHERE $9::boolean AND $5::uuid IS NULL AND $7::text IS NULL
+     WHERE $9::boolean AND $5::uuid IS NULL AND $7::text[] IS NULL
        AND (n.txid, n.id) > ($1::text::xid8, $2::bigint) AND n.id > $3::bigint
        AND n.txid < (SELECT x FROM h)
        AND ($6::text IS NULL OR n.node_id = $6)
