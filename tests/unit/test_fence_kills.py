@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import time
@@ -195,9 +196,9 @@ async def test_an_attempt_stopped_by_the_agents_shutdown_is_not_the_tasks_exit(a
 
 
 @contextlib.contextmanager
-def _keeper_and_groups(n: int) -> Iterator[tuple[FenceKeeper, list[subprocess.Popen[bytes]]]]:
-    """A fence keeper and `n` live process groups (`sleep`), all gone afterwards."""
-    keeper = FenceKeeper(None)
+def _keeper_and_groups(n: int, node: str | None = None) -> Iterator[tuple[FenceKeeper, list[subprocess.Popen[bytes]]]]:
+    """A fence keeper (of `node`, if given) and `n` live process groups (`sleep`), all gone afterwards."""
+    keeper = FenceKeeper(None, node=node)
     groups = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(n)]
     try:
         yield keeper, groups
@@ -237,6 +238,55 @@ async def test_an_ended_group_is_told_to_the_keeper_soon_with_nothing_else_to_wr
         wait_for(lambda: fenced.poll() is not None, 30, what="the keeper to kill the group still fenced")
         assert keeper.killed(2) == "lease expired"
         assert ended.poll() is None, "the keeper never heard that the group ended"
+
+
+async def test_groups_started_in_one_turn_of_the_loop_are_told_in_one_write_and_all_fenced() -> None:
+    """An agent starts a batch of accepted attempts in one turn of its loop: the keeper hears of them
+    all in one pipe write at the next turn (one wake of it, not one per start), and fences every one."""
+    with _keeper_and_groups(16, node="n-batch") as (keeper, groups):
+        keeper.renew(time.monotonic() + 3)  # nothing renews it again: the keeper fences them all then
+        keeper._ensure()
+        writes: list[str] = []
+        write = keeper._write
+
+        def counted(line: str, ensure: bool = True) -> None:
+            writes.append("".join(keeper._held) + line)  # what goes down the pipe
+            write(line, ensure)
+
+        keeper._write = counted  # type: ignore[method-assign]
+        for i, p in enumerate(groups):
+            keeper.add(p.pid, f"task-{i}", 100 + i)
+        assert writes == []  # nothing yet: the turn is not over
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert len(writes) == 1 and writes[0].count("add ") == 16, writes
+        for i, p in enumerate(groups):
+            wait_for(lambda p=p: p.poll() is not None, 30, what=f"group {i} to be killed at the lapse")
+        assert [keeper.killed(100 + i) for i in range(16)] == ["lease expired"] * 16
+
+
+async def test_a_group_whose_add_is_held_by_a_stalled_loop_is_killed_at_the_lapse_and_known_as_fenced() -> None:
+    """The `add` of a group waits for the end of the agent's loop turn; a loop that stalls right there
+    past the lease (an agent stopped or starved) never writes it. The keeper's sweep at the lapse finds
+    the group among the agent's children by the node in its environment, kills it, and names it by
+    its number, so the agent knows the fence killed it."""
+    node = "n-stalled"
+    keeper = FenceKeeper(None, node=node)
+    env = {**os.environ, "PODIUM_NODE_ID": node, "PODIUM_TASK_ID": "t-held"}
+    keeper.renew(time.monotonic() + 2)  # nothing renews it again
+    keeper._ensure()
+    group = subprocess.Popen(["sleep", "60"], start_new_session=True, env=env)
+    try:
+        keeper.add(group.pid, "t-held", 21)
+        assert keeper._held, "the add was written at once: this test needs it held"
+        # the loop is stalled from here on: this waits without yielding to it
+        wait_for(lambda: group.poll() is not None, 30, what="the keeper to kill the group it was never told of")
+        assert group.returncode == -signal.SIGKILL
+        assert keeper.killed(21) == "lease expired"
+    finally:
+        group.kill()
+        group.wait()
+        keeper.close()
 
 
 def test_the_keeper_never_kills_a_group_number_another_process_has_taken() -> None:

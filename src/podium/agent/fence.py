@@ -8,12 +8,14 @@ deadline each time a heartbeat is acknowledged, with a margin of two heartbeats 
 the deadline passes, or the agent's end of the pipe closes, every registered process group gets
 SIGKILL. It is started in its own session, so signals meant for the agent do not reach it.
 
-A group the agent forked but had not yet registered when it died (the fork and the `add` are a few
-event-loop turns apart) is found when the pipe closes: every process task runs with
-PODIUM_NODE_ID=<node> in its environment and leads its own session, and once its agent is dead it
-has been handed to the same parent as this keeper (init, or a subreaper). A task of another agent
-process of the same node (one that superseded this one) still has that agent as its parent, and is
-left alone. (Tasks used to die with the agent by PR_SET_PDEATHSIG, set between fork and exec; that
+The agent writes a started group's `add` at the end of its loop's turn, with every other group
+started in that turn (one write and one wake of the keeper for a batch of starts). A group forked but
+not yet registered is found by a sweep of the agent's children: at each lapse of the lease (the
+agent's loop stalled between the fork and the write), and when the pipe closes (the agent died
+there). Every process task runs with PODIUM_NODE_ID=<node> in its environment and leads its own
+session; once its agent is dead it has been handed to the same parent as this keeper (init, or a
+subreaper). A task of another agent process of the same node (one that superseded this one) has that
+agent as its parent, and is left alone. (Tasks used to die with the agent by PR_SET_PDEATHSIG, set between fork and exec; that
 costs a full fork of the agent per task: see agent/process_backend.py.)
 
 Containers are fenced through the engine's own API: the keeper is given the engine's URL (`--engine
@@ -39,6 +41,7 @@ Protocol on stdin, one command a line (times are CLOCK_MONOTONIC, shared by ever
 What it killed, and why, the keeper writes to the kills file (`--kills FD`, a file the agent made and
 reads), one line per attempt *before* it sends the kill:
     <token> <why>
+    p<pgid> <why>                 a group killed at a lapse before its `add` came (see below)
 So when the agent sees an attempt die of SIGKILL, the keeper's line for it is already there to read:
 the agent knows who killed it rather than guessing from its clock whether the lease had run out
 (a guess that was wrong when the lease had already run out before the attempt started, or when a
@@ -141,7 +144,6 @@ def _orphans(node: str, agent: int) -> list[tuple[int, str]]:
     """Session leaders in this PID namespace, children of the dead `agent` or (handed on) of this
     keeper's new parent, whose environment names this node: task groups whose agent died before it
     could register them."""
-    want = f"PODIUM_NODE_ID={node}".encode()
     # The pipe closes while the agent exits, before its children are handed on: wait for that, so
     # the new parent is known (the tasks are handed to the same one as this keeper).
     handed = time.monotonic() + 1.0
@@ -149,14 +151,21 @@ def _orphans(node: str, agent: int) -> list[tuple[int, str]]:
         time.sleep(0.005)
     if os.getppid() == agent:  # the agent lives on (it closed the pipe itself): its children are its own
         return []
-    parents = {agent, os.getppid()}
+    return _task_leaders(node, {agent, os.getppid()})
+
+
+def _task_leaders(node: str, parents: set[int]) -> list[tuple[int, str]]:
+    """Session leaders in this PID namespace whose parent is one of `parents` and whose environment
+    names this node: the task groups of this node's agent (this keeper itself excepted)."""
+    want = f"PODIUM_NODE_ID={node}".encode()
+    me = os.getpid()
     try:
         here = os.readlink("/proc/self/ns/pid")
     except OSError:
         return []
     found = []
     for name in os.listdir("/proc"):
-        if not name.isdigit():
+        if not name.isdigit() or int(name) == me:
             continue
         pid = int(name)
         try:
@@ -197,6 +206,26 @@ def main(journal: str | None, engine_url: str | None = None, kills_fd: int | Non
         if journal:
             with open(journal, "a") as f:
                 f.write(json.dumps({"ev": "fence", "task": task, "token": int(token), "t": time.time(), "why": why}) + "\n")
+
+    def tell_group(pgid: int, why: str) -> None:
+        # a group killed before the agent's `add` for it came: named by its number, which the agent
+        # knows the attempt of (FenceKeeper.killed)
+        if kills_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(kills_fd, f"p{pgid} {why}\n".encode())
+
+    def unregistered(why: str) -> None:
+        """At a lapse: the live agent's task groups it has not told of yet (an `add` waits for the end
+        of the agent's loop turn, and a loop stalled right there must not leave its group running)."""
+        if not node:
+            return
+        for pgid, task in _task_leaders(node, {agent}):
+            if pgid not in groups:
+                tell_group(pgid, why)
+                kill_group(pgid)
+                record(task, "0", f"{why} (not registered yet)")
+
+    swept_for: float | None = None  # the deadline whose lapse was swept for unregistered groups
 
     def fence(why: str) -> None:
         for pgid, (task, token, started) in list(groups.items()):
@@ -243,8 +272,12 @@ def main(journal: str | None, engine_url: str | None = None, kills_fd: int | Non
                     fence(" ".join(parts[1:]) or "told to")
                 elif parts[0] == "bye":
                     closing = True
-        if (groups or containers) and time.monotonic() > deadline:
-            fence(LEASE_EXPIRED)
+        if time.monotonic() > deadline:
+            if swept_for != deadline:  # once a lapse: the agent tells what it starts after it at once
+                swept_for = deadline
+                unregistered(LEASE_EXPIRED)
+            if groups or containers:
+                fence(LEASE_EXPIRED)
 
 
 class FenceKeeper:
@@ -265,8 +298,9 @@ class FenceKeeper:
         self._kills_fd = _kills_file()
         self._kills_read = 0
         self._killed: dict[int, str] = {}  # token → why, for attempts still fenced
-        self._held: list[str] = []  # `del` lines not written yet (see remove)
-        self._flush_at: asyncio.TimerHandle | None = None
+        self._held: list[str] = []  # `add` and `del` lines not written yet (see add, remove)
+        self._flush_at: asyncio.Handle | None = None
+        self._flush_soon = False  # the flush waiting is the loop's next turn, not HOLD_DELS
 
     def _ensure(self) -> subprocess.Popen[bytes]:
         if self.proc is None or self.proc.poll() is not None:
@@ -340,6 +374,9 @@ class FenceKeeper:
             fenced = {t for _, t, _ in self.groups.values()} | {t for _, t in self.containers.values()} | {token}
             for line in complete.decode(errors="replace").splitlines():
                 tok, _, why = line.partition(" ")
+                if tok.startswith("p") and tok[1:].isdigit():  # a group killed before its `add` came
+                    group = self.groups.get(int(tok[1:]))
+                    tok = str(group[1]) if group is not None else ""
                 # kept only for an attempt still fenced: a late word about an attempt already
                 # decided is of no use to anyone, and would only pile up
                 if tok.isdigit() and int(tok) in fenced:
@@ -347,8 +384,19 @@ class FenceKeeper:
         return self._killed.pop(token, None)
 
     def add(self, pgid: int, task: str, token: int) -> None:
+        """A started group to fence. The keeper is told at the end of this turn of the agent's loop,
+        with every other group started in it (an agent starts a batch of accepted attempts in one
+        turn): one pipe write and one wake of the keeper for them all, not one each. Safe to tell a
+        turn late: if the agent dies first, the keeper's sweep for orphans finds the group; if its loop
+        stalls past the lease first, the keeper's sweep at the lapse does (both look for this node's
+        task groups among the agent's children, `_task_leaders`). Told at once when neither sweep can
+        find it: a keeper that does not know the node, or a lease already run out (no sweep comes)."""
         self.groups[pgid] = (task, token, start_time(pgid) or 0)
-        self._write(f"add {pgid} {task} {token} {self.groups[pgid][2]}\n")
+        line = f"add {pgid} {task} {token} {self.groups[pgid][2]}\n"
+        if self.node and not self.expired():
+            self._hold(line, soon=True)
+        else:
+            self._write(line)
 
     def remove(self, pgid: int) -> None:
         """The group ended by itself. The keeper is told with the next line written (the next start's
@@ -358,17 +406,27 @@ class FenceKeeper:
         over for the agent already (its word from the keeper was read before this)."""
         if self.groups.pop(pgid, None) is None:
             return
-        self._held.append(f"del {pgid}\n")
-        if self._flush_at is not None:
-            return
+        self._hold(f"del {pgid}\n", soon=False)
+
+    def _hold(self, line: str, soon: bool) -> None:
+        """Write `line` with the next line written, or at the loop's next turn (`soon`), or within
+        HOLD_DELS, whichever comes first; now when no loop runs (a caller outside the agent)."""
+        self._held.append(line)
+        if self._flush_at is not None and (self._flush_soon or not soon):
+            return  # a flush as soon as this one needs is already on its way
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop to come back on (a caller outside the agent): now
+        except RuntimeError:
             self._flush_held()
             return
-        self._flush_at = loop.call_later(HOLD_DELS, self._flush_held)
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+        self._flush_soon = soon
+        self._flush_at = loop.call_soon(self._flush_held) if soon else loop.call_later(HOLD_DELS, self._flush_held)
 
     def _flush_held(self) -> None:
+        if self._flush_at is not None:
+            self._flush_at.cancel()  # flushed early, by a line written meanwhile: nothing for it to do
         self._flush_at = None
         if not self._held:
             return
