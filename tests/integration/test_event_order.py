@@ -44,16 +44,17 @@ async def test_a_late_commit_with_a_lower_id_is_delivered_after_the_earlier_one_
         assert low < high
         # the committed event waits behind the open transaction, and the stream knows to look again
         assert [r.id for r in await ui.events_after(start, 100)] == []
-        assert await ui.events_held(start)
+        assert await ui.hub_read(start, 100) == ([], True)
         await ta.commit()
         # (on a shared server another database's open transaction may hold the horizon a moment)
         got = await wait_async(lambda: ui.events_after(start, 100))
         assert [r.id for r in got] == [low, high]
+        assert await ui.hub_read(start, 100) == (got, False)  # the hub's read: the same rows, none held
         # resuming from either delivers exactly what followed it
         assert [r.id for r in await ui.events_after(cursor_of_row(got[0]), 100)] == [high]
         assert await ui.events_after(cursor_of_row(got[1]), 100) == []
         assert [r.id for r in await ui.events_after(await ui.cursor_of(low), 100)] == [high]
-        assert not await ui.events_held(cursor_of_row(got[1]))
+        assert await ui.hub_read(cursor_of_row(got[1]), 100) == ([], False)
     finally:
         await a.close()
         await b.close()

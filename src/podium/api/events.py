@@ -214,7 +214,8 @@ class EventHub:
         assert self.head is not None
         got = False
         while True:
-            rows = await self.ui.events_after(self.head, PAGE)
+            # the rows and whether more are held back behind an open transaction, in one round trip
+            rows, held = await self.ui.hub_read(self.head, PAGE)
             for r in rows:
                 c = cursor_of_row(r)
                 self._keys.append(_key(c))
@@ -232,7 +233,7 @@ class EventHub:
         if got:
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()
-        if await self.ui.events_held(self.head):
+        if held:
             asyncio.get_running_loop().call_later(self._held_delay, self._wake.set)
             self._held_delay = min(HELD_POLL_MAX, self._held_delay * 2)
         else:

@@ -56,9 +56,14 @@ class UiStore:
             )
         return StreamEventRow.many(rows)
 
-    async def events_held(self, cursor: Cursor) -> bool:
+    async def hub_read(self, cursor: Cursor, limit: int) -> tuple[list[StreamEventRow], bool]:
+        """The event hub's read: events_after, unfiltered, and whether events after `cursor` are held back
+        behind an open transaction (one that may end without a NOTIFY), in one round trip."""
         async with self.store._conn() as conn:
-            return bool(await conn.fetchval(self.store.q["events_held"], str(cursor.txid), cursor.id))
+            rows = await conn.fetch(self.store.q["hub_read"], str(cursor.txid), cursor.id, cursor.floor, limit,
+                                    None, None, None, True, True)  # fmt: skip
+        held = bool(rows) and rows[-1]["kind"] == "held"
+        return StreamEventRow.many(rows[:-1] if held else rows), held
 
     async def tasks_page(
         self,

@@ -11,7 +11,7 @@ UNION ALL
 SELECT txid::text FROM node_states WHERE id = $1
 LIMIT 1
 
--- events_after --
+-- _stream_events --
 -- Events after the cursor ($1 txid, $2 id) whose transactions have all ended, in stream order.
 -- $3: only ids above it (a resume from an id no longer stored); $4 limit; filters $5 task, $6 node,
 -- $7 task states (any of them); $8/$9 include task/node events.
@@ -45,7 +45,7 @@ FROM (
 ORDER BY u.txid, u.id
 LIMIT $4
 
--- events_held --
+-- _events_held --
 -- Whether events after the cursor are committed but held back behind an older open transaction: the
 -- stream must look again soon, as that transaction may end without writing an event (no NOTIFY).
 -- The first such event in stream order, not EXISTS: the planner turned EXISTS into a sequential scan
@@ -57,6 +57,22 @@ SELECT (SELECT id FROM task_events WHERE (txid, id) > ($1::text::xid8, $2::bigin
     OR (SELECT id FROM node_states WHERE (txid, id) > ($1::text::xid8, $2::bigint) AND txid >= (SELECT x FROM h)
         ORDER BY txid, id LIMIT 1) IS NOT NULL
 
+-- events_after --
+{{stream_events: }}
+
+-- hub_read --
+-- The event hub's read, in one round trip: events_after's rows, and after them one row of kind 'held'
+-- when events after the cursor are held back (events_held). An event held back comes after every
+-- event read (its transaction is at or past the horizon, theirs before it), so the cursor read from
+-- is the one to look after. The held row sorts last (its txid is null).
+SELECT x.* FROM (
+    SELECT r.* FROM ({{stream_events: }}) r
+    UNION ALL
+    SELECT 'held', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+           NULL, NULL
+    WHERE ({{events_held: }})
+) x
+ORDER BY x.txid::xid8 NULLS LAST, x.id
 -- ui_tasks_page --
 -- Newest first, keyset-paged by (created_at, id): a page after ($1, $2) costs the same at any depth.
 SELECT id, name, state, reason, node_id, attempts, max_attempts, exit_code, created_at, finished_at, spec->'labels' AS labels
