@@ -54,9 +54,6 @@ class ProcessRun:
         return None if self.proc is None else self.proc.pid
 
     async def start(self) -> None:
-        # the agent has made it already (agent/workdirs.py, before Accepted): for it this only finds it
-        # there, which allocates nothing; a caller that starts a run on its own gets it made here
-        self.workdir.mkdir(parents=True, exist_ok=True)
         out_r, out_w = os.pipe()  # close-on-exec here; the child gets them as 1 and 2 only
         try:
             err_r, err_w = os.pipe()
@@ -65,15 +62,16 @@ class ProcessRun:
             os.close(out_w)
             raise
         try:
-            self.proc = subprocess.Popen(
-                self.command,
-                cwd=str(self.workdir),
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=out_w,
-                stderr=err_w,
-                start_new_session=True,  # its own session and group (setsid), with no Python in the child
-            )
+            try:
+                self.proc = self._popen(out_w, err_w)
+            except FileNotFoundError as e:
+                # The agent has made the directory already (agent/workdirs.py, before Accepted): looking
+                # for it at every start cost a failed mkdir and a stat. A caller that did not make it
+                # learns so from the child's chdir, and it is made here.
+                if e.filename != str(self.workdir):
+                    raise
+                self.workdir.mkdir(parents=True, exist_ok=True)
+                self.proc = self._popen(out_w, err_w)
         except BaseException:
             os.close(out_r)
             os.close(err_r)
@@ -83,6 +81,17 @@ class ProcessRun:
             os.close(out_w)
             os.close(err_w)
         self._pipes = _Pipes(asyncio.get_running_loop(), {out_r: "stdout", err_r: "stderr"})
+
+    def _popen(self, out_w: int, err_w: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            self.command,
+            cwd=str(self.workdir),
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=out_w,
+            stderr=err_w,
+            start_new_session=True,  # its own session and group (setsid), with no Python in the child
+        )
 
     async def wait(self, sink: OutputSink) -> int:
         """Stream output to `sink` until the process and its pipes are done; return a shell-style exit
