@@ -46,8 +46,9 @@ async def test_a_late_commit_with_a_lower_id_is_delivered_after_the_earlier_one_
         assert [r.id for r in await ui.events_after(start, 100)] == []
         assert await ui.hub_read(start, 100) == ([], True)
         await ta.commit()
-        # (on a shared server another database's open transaction may hold the horizon a moment)
-        got = await wait_async(lambda: ui.events_after(start, 100))
+        # (on a shared server another database's open transaction may hold the horizon a moment, even
+        # between the two: wait for both, then check their order)
+        got = await wait_async(lambda: ui.events_after(start, 100), until=lambda got: len(got) >= 2)
         assert [r.id for r in got] == [low, high]
         assert await ui.hub_read(start, 100) == (got, False)  # the hub's read: the same rows, none held
         # resuming from either delivers exactly what followed it
