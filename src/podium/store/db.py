@@ -205,10 +205,10 @@ class Change:
         )  # fmt: skip
 
 
-def _columns(rows: Sequence[tuple[Any, ...]]) -> list[list[Any]]:
-    """`transition_tasks` takes its rows (`Change.row`) as columns (arrays): one statement for any
-    number of changes."""
-    return [list(c) for c in zip(*rows, strict=True)]
+def _rows(rows: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """`transition_tasks` takes its rows (`Change.row`) as one jsonb array of arrays: one statement
+    for any number of changes, encoded by the store's jsonb codec in one call."""
+    return list(rows)
 
 
 @dataclass(slots=True)
@@ -357,8 +357,15 @@ class Subscription:
                 self._conn.terminate()
 
 
+def _json_default(value: Any) -> Any:
+    # orjson writes uuid.UUID itself, not the subclass asyncpg reads uuid columns into
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def _jsonb_encode(value: Any) -> str:
-    return orjson.dumps(value).decode()
+    return orjson.dumps(value, default=_json_default).decode()
 
 
 def _jsonb_decode(text: str) -> Any:
@@ -625,10 +632,10 @@ class Store:
         """
         async with self._conn() as c:
             if audit is None:
-                row = await c.fetchrow(self.q["transition_tasks"], *_columns([change.row()]))
+                row = await c.fetchrow(self.q["transition_tasks"], _rows([change.row()]))
             else:
                 async with c.transaction():
-                    row = await c.fetchrow(self.q["transition_tasks"], *_columns([change.row()]))
+                    row = await c.fetchrow(self.q["transition_tasks"], _rows([change.row()]))
                     if row is not None:
                         await c.execute(self.q["audit"], change.actor, audit.action, str(change.task_id), audit.detail)
         if row is None:
@@ -699,7 +706,7 @@ class Store:
             raise ValueError("one change per task: a task's later change depends on whether its first was made")
         rows = sorted((c.row() for c in changes), key=lambda r: r[0])
         async with self._conn() as conn:
-            made = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], *_columns(rows))}
+            made = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], _rows(rows))}
         return [
             None if (r := made.get(c.task_id)) is None else Transition(r["id"], r["fencing_token"], r["attempt_node"])
             for c in changes
@@ -772,7 +779,7 @@ class Store:
             if lock_nodes and any(changes[i].end_attempt is not None for i in todo):
                 lock_nodes = False  # every ending change's node at once, in one ordered statement
                 await conn.execute(self.q["lock_nodes_of_tasks"], [c.task_id for c in changes if c.end_attempt is not None])
-            done = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], *_columns([rows[i] for i in todo]))}
+            done = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], _rows([rows[i] for i in todo]))}
             made = set()
             for i in todo:
                 r = done.get(changes[i].task_id)
