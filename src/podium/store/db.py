@@ -246,14 +246,14 @@ class Submissions:
     submitted them and the named spec they came from (if any)."""
 
     ids: tuple[uuid.UUID, ...]
-    # insert_tasks' arrays in its order: id, name, spec (JSON text), priority, cpu, memory, disk, gpus,
-    # timeout, max_attempts, requeue_on_node_loss, idempotency_key
-    columns: tuple[
-        list[uuid.UUID], list[str | None], list[str], list[int], list[int], list[int], list[int], list[int],
-        list[float | None], list[int], list[bool], list[str | None],
-    ]
+    # insert_tasks' rows, each in its order: id, name, spec (JSON text), priority, cpu, memory, disk,
+    # gpus, timeout, max_attempts, requeue_on_node_loss, idempotency_key, spec name, spec revision
+    rows: list[tuple[Any, ...]]
     actor: str
-    named: tuple[list[str | None], list[int | None]]
+
+    @property
+    def specs(self) -> list[str]:
+        return [r[2] for r in self.rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,17 +512,15 @@ class Store:
         ids = list(ids) if ids is not None else [uuid.uuid4() for _ in items]
         if len(ids) != len(items):
             raise ValueError(f"{len(ids)} task ids for {len(items)} submissions")
-        columns = (
-            ids, [s.name for s, _ in items], specs, [s.priority for s, _ in items],
-            [s.resources.cpu for s, _ in items], [s.resources.memory for s, _ in items],
-            [s.resources.disk for s, _ in items], [s.resources.gpus for s, _ in items],
-            [s.timeout for s, _ in items], [s.max_attempts for s, _ in items],
-            [s.requeue_on_node_loss for s, _ in items], keys,
-        )  # fmt: skip
-        return Submissions(tuple(ids), columns, actor, ([spec_name] * len(items), [spec_revision] * len(items)))
+        rows = [
+            (tid, s.name, spec_text, s.priority, s.resources.cpu, s.resources.memory, s.resources.disk,
+             s.resources.gpus, s.timeout, s.max_attempts, s.requeue_on_node_loss, key, spec_name, spec_revision)
+            for tid, (s, key), spec_text in zip(ids, items, specs, strict=True)
+        ]  # fmt: skip
+        return Submissions(tuple(ids), rows, actor)
 
     async def _insert_tasks(self, conn: _Conn, sub: Submissions, *, wake_dispatch: bool = True) -> dict[uuid.UUID, TaskRow]:
-        rows = await conn.fetch(self.q["insert_tasks"], *sub.columns, reasons.WAITING, sub.actor, *sub.named, wake_dispatch)
+        rows = await conn.fetch(self.q["insert_tasks"], sub.rows, reasons.WAITING, sub.actor, wake_dispatch)
         return {r.id: r for r in TaskRow.many(rows)}
 
     @_retried
@@ -565,7 +563,7 @@ class Store:
                 else {}
             )
             out = []
-            for tid, key, spec_text in zip(sub.ids, keys, sub.columns[2], strict=True):
+            for tid, key, spec_text in zip(sub.ids, keys, sub.specs, strict=True):
                 if tid in inserted:
                     out.append((inserted[tid], True))
                 else:

@@ -3,32 +3,38 @@
 
 -- insert_tasks --
 -- Submissions (one, or a batch) in one statement: each task, its first event and its audit entry,
--- one NOTIFY for dispatch unless $17 says not (a dispatch pass storing them claims them itself), and one for the resolver loop only if a task has an image tag to resolve
+-- one NOTIFY for dispatch unless $4 says not (a dispatch pass storing them claims them itself), and one for the resolver loop only if a task has an image tag to resolve
 -- (every other wake-up of it would be a query that finds nothing, on the way of every submit's
 -- placement). ON CONFLICT on the idempotency key makes a retried submit return no row for it; the
 -- caller then reads the task the first submit created. (Its predicate lets the key's UNIQUE constraint
 -- be replaced by a partial index of the keys alone later: see migration 0014.)
+-- $1: the tasks as one JSON array of arrays (`Submissions.rows`: id, name, spec as JSON text, priority,
+-- cpu, memory, disk, gpus, timeout, max_attempts, requeue_on_node_loss, idempotency key, spec name,
+-- spec revision): an array parameter per column cost the client a type check and an encoding call per
+-- element. $2 the reason a queued task waits for, $3 who submitted them.
 WITH d AS (
-    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int[], $5::bigint[], $6::bigint[], $7::bigint[],
-                         $8::int[], $9::float8[], $10::int[], $11::bool[], $12::text[], $15::text[], $16::int[])
-        AS d(id, name, spec, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, spec_name, spec_revision)
+    SELECT (v->>0)::uuid AS id, v->>1 AS name, v->>2 AS spec, (v->>3)::int AS priority, (v->>4)::bigint AS cpu,
+           (v->>5)::bigint AS mem, (v->>6)::bigint AS disk, (v->>7)::int AS gpus, (v->>8)::float8 AS timeout,
+           (v->>9)::int AS max_attempts, (v->>10)::boolean AS requeue, v->>11 AS ikey, v->>12 AS spec_name,
+           (v->>13)::int AS spec_revision
+    FROM jsonb_array_elements($1::jsonb) AS r(v)
 ), t AS (
     INSERT INTO tasks (id, name, spec, state, reason, priority, cpu_millis, memory_bytes, disk_bytes, gpus,
                        timeout_seconds, max_attempts, requeue_on_node_loss, idempotency_key, submitted_by,
                        spec_name, spec_revision)
-    SELECT id, name, spec::jsonb, 'queued', $13, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, $14,
+    SELECT id, name, spec::jsonb, 'queued', $2, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, $3,
            spec_name, spec_revision
     FROM d
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING *
 ), e AS (
     INSERT INTO task_events (task_id, from_state, to_state, reason, actor)
-    SELECT id, NULL, 'queued', NULL, $14 FROM t
+    SELECT id, NULL, 'queued', NULL, $3 FROM t
 ), a AS (
     INSERT INTO audit_log (actor, action, target, detail)
-    SELECT $14, 'task.submit', id::text, jsonb_build_object('name', name) FROM t
+    SELECT $3, 'task.submit', id::text, jsonb_build_object('name', name) FROM t
 ), n AS (
-    SELECT pg_notify('podium_dispatch', '') FROM t WHERE $17::bool LIMIT 1
+    SELECT pg_notify('podium_dispatch', '') FROM t WHERE $4::bool LIMIT 1
 ), r AS (
     SELECT pg_notify('podium_resolve', '') FROM t WHERE t.image IS NOT NULL AND t.image_digest IS NULL LIMIT 1
 )
