@@ -1044,13 +1044,10 @@ class Store:
             await conn.execute(self.q["lock_nodes"], ids)
             got = await conn.fetch(
                 self.q["assign_tasks"],
-                [p.task_id for p in placements],
-                [p.node_id for p in placements],
-                [",".join(map(str, p.gpu_indexes)) for p in placements],
+                [(p.task_id, p.node_id, ",".join(map(str, p.gpu_indexes)), p.snapshot) for p in placements],
                 accept_seconds,
                 lease_seconds,
                 actor,
-                [p.snapshot for p in placements],
                 reconcile_seconds,
                 deliver_here,
                 ids,

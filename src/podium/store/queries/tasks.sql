@@ -197,16 +197,16 @@ FOR UPDATE OF t SKIP LOCKED
 -- A dispatch pass's whole write, one statement: the reservation on each node, then the batched form
 -- of transition_task(queued → assigned) for the placements on the nodes that had room.
 --
--- The reservation ($10–$15, one row per node) takes capacity only where the node still has it: a node
+-- The reservation ($7–$12, one row per node) takes capacity only where the node still has it: a node
 -- another scheduler filled first is simply not reserved, and its tasks stay queued for the next pass.
 -- Its rows were locked (lock_nodes) before this statement began, so its snapshot holds every attempt
 -- the schedulers that held them committed: the capacity operations (every placement is one until its
 -- attempt runs) are counted from those, and no two schedulers exceed a node's `max_operations`.
 --
 -- Each assignment is one attempt, one new fencing token, a lease and an accept deadline, and an
--- event. The attempt records what it was decided on: the node as placement saw it ($7, with the
+-- event. The attempt records what it was decided on: the node as placement saw it (in $1, with the
 -- node's materializations as they are now), and its retry count and limit; its first reconcile is due
--- $8 seconds from now. $9 are the nodes whose streams the dispatching server holds: their attempts are
+-- $5 seconds from now. $6 are the nodes whose streams the dispatching server holds: their attempts are
 -- marked delivered here and come back with what the Assign carries (attempt, GPU indexes, pinned
 -- spec), pushed by that server as soon as this commits, with no outbox take; a push that then fails is
 -- repaired as a take's is (the node's next Hello redelivers). Every other node is told by NOTIFY
@@ -219,7 +219,7 @@ WITH r AS (
         res_disk_bytes = n.res_disk_bytes + c.disk,
         res_gpus = n.res_gpus + c.gpus,
         res_slots = n.res_slots + c.slots
-    FROM unnest($10::text[], $11::bigint[], $12::bigint[], $13::bigint[], $14::int[], $15::int[])
+    FROM unnest($7::text[], $8::bigint[], $9::bigint[], $10::bigint[], $11::int[], $12::int[])
          AS c(id, cpu, mem, disk, gpus, slots)
     WHERE n.id = c.id
       AND n.connected AND n.health = 'online' AND NOT n.draining AND n.revoked_at IS NULL
@@ -232,16 +232,19 @@ WITH r AS (
       AND n.res_slots + c.slots <= n.alloc_slots
     RETURNING n.id
 ), d AS (
-    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $7::jsonb[]) AS d(id, node_id, gpu_indexes, snapshot)
-    WHERE d.node_id IN (SELECT id FROM r)
+    -- the placements as one JSON array of arrays (an array parameter per column cost the client a type
+    -- check and an encoding call per element): task, node, GPU indexes ("0,1"), the node as seen
+    SELECT (v->>0)::uuid AS id, v->>1 AS node_id, v->>2 AS gpu_indexes, v->3 AS snapshot
+    FROM jsonb_array_elements($1::jsonb) AS p(v)
+    WHERE v->>1 IN (SELECT id FROM r)
 ), t AS (
     UPDATE tasks SET
         state = 'assigned', reason = NULL, node_id = d.node_id, revision = tasks.revision + 1,
         fencing_token = nextval('fencing_tokens'), attempts = tasks.attempts + 1,
         -- clock_timestamp(), not now(): a transaction that was slow between its claim and this write
         -- must not hand out an assignment with its accept window already spent
-        accept_deadline = clock_timestamp() + make_interval(secs => $4),
-        lease_expires_at = clock_timestamp() + make_interval(secs => $5),
+        accept_deadline = clock_timestamp() + make_interval(secs => $2),
+        lease_expires_at = clock_timestamp() + make_interval(secs => $3),
         exit_code = NULL, started_at = NULL, cancel_requested_at = NULL, cancel_reason = NULL,
         updated_at = now()
     FROM d
@@ -250,7 +253,7 @@ WITH r AS (
               tasks.memory_bytes, tasks.disk_bytes, tasks.gpus, tasks.accept_deadline, d.gpu_indexes,
               COALESCE(tasks.spec->>'backend', 'process') AS backend_kind, d.snapshot, tasks.max_attempts,
               COALESCE(string_to_array(NULLIF(d.gpu_indexes, ''), ',')::int[], '{}') AS gpus_given,
-              tasks.node_id = ANY($9::text[]) AS here, tasks.spec, tasks.image, tasks.image_digest
+              tasks.node_id = ANY($6::text[]) AS here, tasks.spec, tasks.image, tasks.image_digest
 ), a AS (
     INSERT INTO attempts (task_id, attempt, fencing_token, node_id, state, cpu_millis, memory_bytes,
                           disk_bytes, gpus, gpu_indexes, accept_deadline, backend_kind, capability_snapshot,
@@ -258,7 +261,7 @@ WITH r AS (
     SELECT t.id, t.attempts, t.fencing_token, t.node_id, 'assigned', t.cpu_millis, t.memory_bytes, t.disk_bytes,
            t.gpus, t.gpus_given, t.accept_deadline,
            t.backend_kind, t.snapshot || jsonb_build_object('materializations', n.materializations),
-           t.attempts - 1, GREATEST(t.max_attempts - 1, 0), clock_timestamp() + make_interval(secs => $8),
+           t.attempts - 1, GREATEST(t.max_attempts - 1, 0), clock_timestamp() + make_interval(secs => $5),
            CASE WHEN t.here THEN now() END
     FROM t JOIN nodes n ON n.id = t.node_id
 ), g AS (
@@ -268,7 +271,7 @@ WITH r AS (
     SELECT t.node_id, gi::int, t.fencing_token FROM t, unnest(string_to_array(NULLIF(t.gpu_indexes, ''), ',')) gi
 ), e AS (
     INSERT INTO task_events (task_id, from_state, to_state, reason, actor, fencing_token)
-    SELECT id, 'queued', 'assigned', NULL, $6, fencing_token FROM t
+    SELECT id, 'queued', 'assigned', NULL, $4, fencing_token FROM t
 )
 SELECT r.id AS reserved, t.id, t.node_id, t.fencing_token, t.here, t.attempts AS attempt, t.gpus_given AS gpu_indexes,
        CASE WHEN t.here THEN {{pinned_spec: t}} END AS spec
