@@ -248,7 +248,9 @@ class Submissions:
     ids: tuple[uuid.UUID, ...]
     # insert_tasks' rows, each in its order: id, name, spec (JSON text), priority, cpu, memory, disk,
     # gpus, timeout, max_attempts, requeue_on_node_loss, idempotency_key, spec name, spec revision
-    rows: list[tuple[Any, ...]]
+    rows: list[
+        tuple[uuid.UUID, str | None, str, int, int, int, int, int, float | None, int, bool, str | None, str | None, int | None]
+    ]
     actor: str
 
     @property
