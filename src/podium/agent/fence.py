@@ -15,8 +15,8 @@ agent's loop stalled between the fork and the write), and when the pipe closes (
 there). Every process task runs with PODIUM_NODE_ID=<node> in its environment and leads its own
 session; once its agent is dead it has been handed to the same parent as this keeper (init, or a
 subreaper). A task of another agent process of the same node (one that superseded this one) has that
-agent as its parent, and is left alone. (Tasks used to die with the agent by PR_SET_PDEATHSIG, set between fork and exec; that
-costs a full fork of the agent per task: see agent/process_backend.py.)
+agent as its parent, and is left alone. (Tasks used to die with the agent by PR_SET_PDEATHSIG, set
+between fork and exec; that costs a full fork of the agent per task: see agent/process_backend.py.)
 
 Containers are fenced through the engine's own API: the keeper is given the engine's URL (`--engine
 URL`, or `--engine env` for DOCKER_HOST and the default socket) and each container's id, and at the
