@@ -205,12 +205,6 @@ class Change:
         )  # fmt: skip
 
 
-def _rows(rows: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """`transition_tasks` takes its rows (`Change.row`) as one jsonb array of arrays: one statement
-    for any number of changes, encoded by the store's jsonb codec in one call."""
-    return list(rows)
-
-
 @dataclass(slots=True)
 class PlacementDecision:
     task_id: uuid.UUID
@@ -632,10 +626,10 @@ class Store:
         """
         async with self._conn() as c:
             if audit is None:
-                row = await c.fetchrow(self.q["transition_tasks"], _rows([change.row()]))
+                row = await c.fetchrow(self.q["transition_tasks"], [change.row()])
             else:
                 async with c.transaction():
-                    row = await c.fetchrow(self.q["transition_tasks"], _rows([change.row()]))
+                    row = await c.fetchrow(self.q["transition_tasks"], [change.row()])
                     if row is not None:
                         await c.execute(self.q["audit"], change.actor, audit.action, str(change.task_id), audit.detail)
         if row is None:
@@ -704,9 +698,10 @@ class Store:
             raise ValueError("an end frees its node's capacity: it is made under the node's lock (transition_decided)")
         if len({c.task_id for c in changes}) != len(changes):
             raise ValueError("one change per task: a task's later change depends on whether its first was made")
+        # `transition_tasks` takes its rows (`Change.row`) as one jsonb array of arrays
         rows = sorted((c.row() for c in changes), key=lambda r: r[0])
         async with self._conn() as conn:
-            made = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], _rows(rows))}
+            made = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], rows)}
         return [
             None if (r := made.get(c.task_id)) is None else Transition(r["id"], r["fencing_token"], r["attempt_node"])
             for c in changes
@@ -779,7 +774,7 @@ class Store:
             if lock_nodes and any(changes[i].end_attempt is not None for i in todo):
                 lock_nodes = False  # every ending change's node at once, in one ordered statement
                 await conn.execute(self.q["lock_nodes_of_tasks"], [c.task_id for c in changes if c.end_attempt is not None])
-            done = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], _rows([rows[i] for i in todo]))}
+            done = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], [rows[i] for i in todo])}
             made = set()
             for i in todo:
                 r = done.get(changes[i].task_id)
