@@ -1,15 +1,82 @@
-"""A keyed store's sessions never read a whole table where an index serves: the group commit's
-statements are prepared once per connection, and PostgreSQL keeps the generic plan it made while the
-table was small (a new server's first seconds) until the table's statistics change. Planned then,
-an unkeyed session reads every row of `tasks` on each run as the table grows — the control here."""
+"""A keyed store's sessions never read a whole table where an index serves: the group commit's and
+the dispatch pass's statements are prepared once per connection, and PostgreSQL keeps the generic
+plan it made while the table was small (a new server's first seconds) until the table's statistics
+change. Planned then, an unkeyed session reads every row of `tasks` on each run as the table grows —
+the control here."""
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from podium.spec import TaskSpec
 from podium.store import Store
+from podium.store.queries import queries
 from tests.integration.helpers import submit
+
+# What the keyed pools run (the gateway's group commits, log flushes, outbox takes and release
+# proofs; the dispatch pass), each with the indexes it may read whole because that is its job.
+KEYED_STATEMENTS: dict[str, set[str]] = {
+    "lock_tasks": set(),
+    "lock_task_facts": set(),
+    "lock_nodes_of_tasks": set(),
+    "transition_tasks": set(),
+    "insert_logs": set(),
+    "take_outbox": {"attempts_outbox"},  # the partial index holds just the deliveries still owed
+    "give_back_assigns": set(),
+    "release_proofs": set(),
+    # the operations in flight on every node; the nodes changed since the last pass (any of them)
+    "dispatch_facts": {"attempts_operations", "nodes_pkey"},
+    "insert_tasks": set(),
+    "tasks_by_ids": set(),
+    "claim_queued": {"tasks_queued"},  # the head of the queue, in its order, up to the limit
+    "lock_nodes": set(),
+    "assign_tasks": set(),
+    "set_queued_reasons": set(),
+}
+
+_WHOLE_INDEX = re.compile(r"Index (?:Only )?Scan(?: Backward)? using (\w+)")
+
+
+def whole_reads(plan: list[str]) -> list[str]:
+    """What a plan reads whole: a table scanned, a batch hashed or merged against a table, an index
+    walked with no condition of its own."""
+    found = []
+    for i, line in enumerate(plan):
+        if "Seq Scan" in line or "Hash Join" in line or "Merge Join" in line:
+            found.append(line.strip())
+        m = _WHOLE_INDEX.search(line)
+        if m and "Index Cond" not in (plan[i + 1] if i + 1 < len(plan) else ""):
+            found.append(m.group(1))
+    return found
+
+
+async def test_a_keyed_session_plans_every_statement_of_its_pools_as_lookups_by_key(store: Store, db_url: str) -> None:
+    """Planned generically on a new database's small tables (a few tasks, no attempt yet), as a
+    server's first seconds plan them: each row is found by its key, and no table, and no index but
+    the ones a statement reads by design, is read whole. The same plans in an unkeyed session hash
+    batches against whole tables (the control)."""
+    for _ in range(3):
+        await submit(store)
+    q = queries()
+    found: dict[str, dict[str, list[str]]] = {}
+    for name, keyed in (("plain", False), ("keyed", True)):
+        s = await Store.connect(db_url, min_size=1, max_size=1, keyed=keyed)
+        try:
+            async with s.pool.acquire() as c:
+                await c.execute("SET plan_cache_mode = force_generic_plan")
+                found[name] = {}
+                for statement in KEYED_STATEMENTS:
+                    prepared = await c.prepare(q[statement])
+                    nulls = ", ".join(["NULL"] * len(prepared.get_parameters()))
+                    async with c.transaction():  # EXPLAIN runs nothing; the transaction is for the locks' sake
+                        plan = [r[0] for r in await c.fetch(f"EXPLAIN EXECUTE {prepared.get_name()}({nulls})")]
+                    found[name][statement] = [w for w in whole_reads(plan) if w not in KEYED_STATEMENTS[statement]]
+        finally:
+            await s.close()
+    assert {k: v for k, v in found["keyed"].items() if v} == {}
+    # the control: the plans the keyed settings refuse are the ones PostgreSQL makes here
+    assert any("Hash Join" in w for w in found["plain"]["transition_tasks"]), found["plain"]["transition_tasks"]
 
 
 async def seq_scans(store: Store) -> int:

@@ -123,7 +123,11 @@ WITH d AS (
         started_at = CASE WHEN t.via = 'running' THEN now() ELSE a.started_at END,
         backend_ref = COALESCE(t.backend_ref, a.backend_ref)
     FROM t
-    WHERE t.end_attempt IS NOT NULL AND a.fencing_token = t.fencing_token AND a.finished_at IS NULL
+    -- `(… IS NULL) IS TRUE`, not `… IS NULL`: the same test, but one the planner does not match with
+    -- the partial index attempts_reconcile_due (WHERE finished_at IS NULL). Matched, a plan made while
+    -- the table was small reads that whole index on every run (its dead entries too), instead of
+    -- finding each attempt by its fencing token
+    WHERE t.end_attempt IS NOT NULL AND a.fencing_token = t.fencing_token AND (a.finished_at IS NULL) IS TRUE
     RETURNING a.task_id, a.node_id, a.cpu_millis, a.memory_bytes, a.disk_bytes, a.gpus, a.fencing_token, t.stop,
               a.released
 ), unclaimed AS (
