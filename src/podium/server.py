@@ -86,6 +86,7 @@ class PodiumServer:
         self.liveness_store: Store | None = None
         self.beats_store: Store | None = None
         self.reports_store: Store | None = None
+        self.dispatch_store: Store | None = None
         self.started = asyncio.Event()
         self.pressure = Pressure()
         self._stop = asyncio.Event()
@@ -124,19 +125,25 @@ class PodiumServer:
     async def _run(self) -> None:
         url = await self._database_url()
         retry_limit = self.cfg.serialization_retry_limit
-        # The pools' shares of the connection budget: API and dispatch half, node reports a quarter,
-        # heartbeats 2 and the group commits 3 (their own, so nothing queues ahead of them).
-        pools = max(8, self.cfg.db_connections - LISTENER_CONNECTIONS)
-        main_max, liveness_max = max(2, (pools - 5) * 2 // 3), max(2, (pools - 5) // 3)
+        # The pools' shares of the connection budget: the API two thirds, node reports a third,
+        # heartbeats 2, the group commits 3 and the dispatch passes 1 (their own, so nothing queues
+        # ahead of them).
+        pools = max(9, self.cfg.db_connections - LISTENER_CONNECTIONS)
+        main_max, liveness_max = max(2, (pools - 6) * 2 // 3), max(2, (pools - 6) // 3)
         store = self.store = await Store.connect(url, min_size=2, max_size=main_max, serialization_retry_limit=retry_limit)
         applied = await store.migrate()
         if applied:
             log.info("applied migrations: %s", ", ".join(applied))
         security = Security(store, SecretBox(load_key(self.cfg.data_dir)))
         await security.bootstrap(self.cfg.data_dir)
+        # A pass runs on one connection, its statements all by key (a batch of task ids, the nodes'
+        # ids): a keyed pool, so none of their plans, made while the tables were small, reads a whole
+        # table on every pass as they grow
+        self.dispatch_store = await Store.connect(url, min_size=1, max_size=1, serialization_retry_limit=retry_limit, keyed=True)
         scheduler = Scheduler(
-            store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy, retention=self.cfg.retention
-        )
+            store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy, retention=self.cfg.retention,
+            dispatch_store=self.dispatch_store,
+        )  # fmt: skip
         resolver = ImageResolver(store, security, self.timing, resolve=self.resolve_image, server_id=self.server_id)
         reconciler = Reconciler(store, scheduler.applier, self.timing, server_id=self.server_id)
         # Node reports and heartbeats get a pool of their own: a burst of API traffic must never
@@ -224,6 +231,7 @@ class PodiumServer:
             await self.liveness_store.close()
             await self.beats_store.close()
             await self.reports_store.close()
+            await self.dispatch_store.close()
             await store.close()
 
 

@@ -39,15 +39,24 @@ HANDED_WAIT = 10.0
 
 class Scheduler:
     def __init__(
-        self, store: Store, timing: Timing, *, server_id: str, policy_name: str = "spread", retention: float = DEFAULT_RETENTION
+        self,
+        store: Store,
+        timing: Timing,
+        *,
+        server_id: str,
+        policy_name: str = "spread",
+        retention: float = DEFAULT_RETENTION,
+        dispatch_store: Store | None = None,
     ) -> None:
+        """`dispatch_store`: the pool the dispatch passes run on (the server gives them a keyed one of
+        their own, `Store.connect(keyed=True)`); `store` when none is given."""
         self.store = store
         self.timing = timing
         self.server_id = server_id
         self.policy_name = policy_name
         self.actor = f"scheduler:{server_id}"
         self.applier = Applier(store, actor=self.actor)
-        self.dispatcher = Dispatcher(store, timing, actor=self.actor, policy_name=policy_name)
+        self.dispatcher = Dispatcher(dispatch_store or store, timing, actor=self.actor, policy_name=policy_name)
         self.watchdog = Watchdog(store, timing, self.applier, retention=retention)
 
     def hold_while_behind(self, reports_behind: Callable[[], float]) -> None:
