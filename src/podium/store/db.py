@@ -400,14 +400,14 @@ class Store:
         keyed: bool = False,
     ) -> Store:
         """A store on a new pool. `keyed`: the pool runs only statements that find their rows by key
-        (a batch of task ids, a node's id), so its sessions plan neither a sequential scan nor a hash
-        or merge join: each row is looked up by its key (a nested loop over an index). Such a statement
-        is prepared once per connection and, after a few runs, PostgreSQL keeps its generic plan until
-        the table's statistics change: planned while the table was small (a new server's first
-        seconds), a plan that hashes the batch reads the whole table on every run as it grows — 300+
-        sequential scans of `tasks` reading ~1 M rows for a 3,000-task burst, and with those refused, a
-        hash join over a whole index of `tasks` instead: ~250 rows read for every task placed (issue 17)."""
-        settings = {"enable_seqscan": "off", "enable_hashjoin": "off", "enable_mergejoin": "off"} if keyed else None
+        (a batch of task ids, a node's id), so its sessions never plan a sequential scan while an index
+        serves (`enable_seqscan = off`). Such a statement is prepared once per connection and, after a
+        few runs, PostgreSQL keeps its generic plan until the table's statistics change: planned while
+        the table was small (a new server's first seconds), that plan reads the whole table on every
+        run as it grows — 300+ scans of `tasks` reading ~1 M rows for a 3,000-task burst (issue 17).
+        The statements name their keys as an index condition too (`id = ANY(...)`), so that refusing
+        the scan does not leave a whole index read in its place (`tests/integration/test_plans.py`)."""
+        settings = {"enable_seqscan": "off"} if keyed else None
         try:
             pool = await asyncpg.create_pool(
                 dsn, min_size=min_size, max_size=max_size, init=_init_connection, reset=_light_reset, command_timeout=60,
