@@ -161,7 +161,7 @@ class PodiumServer:
             reports_store=self.reports_store,
         )  # fmt: skip
 
-        scheduler.hold_while_behind(gateway.reports.behind)
+        scheduler.hold_while_behind(gateway.behind)
         scheduler.deliver_through(gateway.sessions.keys, gateway.outbox.push)
 
         grpc_server = grpc.aio.server(options=[("grpc.keepalive_time_ms", 20000), ("grpc.so_reuseport", 0)])

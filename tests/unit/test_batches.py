@@ -9,7 +9,7 @@ from pathlib import Path
 
 from podium.agent.agent import Agent, AgentConfig
 from podium.gateway.service import write_out
-from podium.gateway.sessions import Session
+from podium.gateway.sessions import Session, streams_behind
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.protocol import BATCH_MAX_BYTES, BATCH_MAX_MESSAGES, take_batch
 from podium.timing import DEFAULT_TIMING
@@ -72,6 +72,38 @@ async def test_an_agent_that_reads_batches_gets_the_welcome_alone_then_what_was_
     out = await _written(batches=True)
     assert [m.WhichOneof("kind") for m in out] == ["welcome", "batch"]
     assert list(out[1].batch.messages) == [_ack(0), _ack(1), _ack(2)]
+
+
+async def test_a_stream_is_writing_since_its_write_began_and_not_once_the_write_is_taken() -> None:
+    """What the dispatcher's hold reads: a write the node has not taken yet (gRPC flow control holds
+    it while the node does not read) is in progress since it began; a stream writing nothing is not."""
+    s = Session("n1", 1, batches=True)
+    taken = asyncio.Event()
+    began: list[float | None] = []
+
+    async def write(msg: pb.ServerMessage) -> None:
+        began.append(s.writing_since)
+        await taken.wait()
+
+    writer = asyncio.create_task(write_out(s, write))
+    s.send(_ack(0))
+    while not began:
+        await asyncio.sleep(0)
+    assert s.writing_since is not None and s.writing_since == began[0]
+    taken.set()
+    await asyncio.sleep(0)
+    assert s.writing_since is None  # the queue is empty: nothing is being written
+    s.close()
+    await writer
+
+
+def test_the_streams_are_as_far_behind_as_more_than_a_quarter_of_them_not_as_the_slowest() -> None:
+    assert streams_behind([]) == 0.0
+    assert streams_behind([5.0]) == 5.0  # one stream: its own
+    assert streams_behind([30.0, 0.0, 0.0, 0.0]) == 0.0  # one node of four stopped reading: no hold
+    assert streams_behind([30.0, 4.0, 0.0, 0.0]) == 4.0  # two of four are 4 s behind or more
+    assert streams_behind([9.0] * 2000 + [0.0] * 3000) == 9.0  # a fleet whose writes wait
+    assert streams_behind([9.0] * 1000 + [0.0] * 4000) == 0.0
 
 
 async def test_an_agent_that_does_not_say_it_reads_batches_gets_every_message_on_its_own() -> None:

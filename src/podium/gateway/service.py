@@ -27,7 +27,7 @@ from podium.errors import Forbidden, StoreUnavailable, Unauthorized
 from podium.gateway.liveness import Heartbeats, LogFlusher
 from podium.gateway.outbox import Outbox
 from podium.gateway.reports import PERSIST_FOR, ReleaseProofs, ReportBatcher
-from podium.gateway.sessions import Reconciler, Session, Sessions, check_hello, egress_of
+from podium.gateway.sessions import Reconciler, Session, Sessions, check_hello, egress_of, streams_behind
 from podium.gateway.snapshots import check_materializations, hello_facts, revalidate
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
@@ -79,6 +79,15 @@ class Gateway(pb_grpc.AgentGatewayServicer):
     def report_backlog(self) -> int:
         """Node reports received and not yet applied (admission reads it)."""
         return self.reports.backlog
+
+    def behind(self) -> float:
+        """Seconds an Assign placed now would wait on this replica before its node could accept it:
+        behind the reports not yet committed (the acceptances queue there), or behind the writes
+        still in progress on the streams (`sessions.streams_behind`). The dispatcher holds new
+        placements while this is a large share of the accept deadline (`scheduler.dispatch.HOLD_SHARE`)."""
+        now = time.monotonic()
+        ages = [0.0 if s.writing_since is None else now - s.writing_since for s in self.sessions.values()]
+        return max(self.reports.behind(), streams_behind(ages))
 
     def tasks(self) -> dict[str, Callable[[], Awaitable[None]]]:
         return {
@@ -280,11 +289,15 @@ async def write_out(s: Session, write: Callable[[pb.ServerMessage], Awaitable[No
         msg, carry = (carry, None) if carry is not None else (await s.out.get(), None)
         if msg is None:
             return
-        if not batches:
-            await write(msg)
-            batches = s.batches
-            continue
-        batch, carry, ended = take_batch(s.out, msg, pb.ServerMessage.ByteSize)
-        await write(batch[0] if len(batch) == 1 else pb.ServerMessage(batch=pb.ServerBatch(messages=batch)))
+        s.writing_since = time.monotonic()
+        try:
+            if not batches:
+                await write(msg)
+                batches = s.batches
+                continue
+            batch, carry, ended = take_batch(s.out, msg, pb.ServerMessage.ByteSize)
+            await write(batch[0] if len(batch) == 1 else pb.ServerMessage(batch=pb.ServerBatch(messages=batch)))
+        finally:
+            s.writing_since = None
         if ended:
             return

@@ -61,6 +61,9 @@ class Session:
     # the timeout plus grace) without reading it. A spec never changes, so this is what a read would
     # say; a token not here (an Assign another replica, or an earlier stream, delivered) is read.
     timeouts: dict[int, float | None] = field(default_factory=dict)
+    # monotonic time the stream's write in progress began (None while none is): what is queued behind
+    # it waits at least that long, and an Assign among it is that late to its node
+    writing_since: float | None = None
 
     def carried(self, token: int, timeout: float | None) -> None:
         if len(self.timeouts) >= MAX_TIMEOUTS_KEPT:
@@ -77,6 +80,17 @@ class Session:
 def accepted(s: Session, task_id: str, token: int) -> None:
     """Tell the node its provisioning is recorded: it may start the attempt."""
     s.send(pb.ServerMessage(accepted=pb.Accepted(task_id=task_id, fencing_token=token)))
+
+
+def streams_behind(ages: list[float]) -> float:
+    """How far behind the streams are: the age of the write in progress that more than a quarter of
+    them have been in for at least as long (0 for a stream writing nothing). Not the slowest one: a
+    single node that stops reading must not hold placement on the whole fleet. With one stream, its own."""
+    if not ages:
+        return 0.0
+    writing = sorted((a for a in ages if a > 0.0), reverse=True)
+    k = len(ages) // 4
+    return writing[k] if k < len(writing) else 0.0
 
 
 class Sessions(dict[str, Session]):

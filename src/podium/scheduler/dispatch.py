@@ -53,11 +53,12 @@ WINDOW_POLL = 0.02  # seconds between looks at a full assignment window
 # so a changed spec is simply another key); dropped all at once past this many.
 REQUIREMENTS_KEPT = 8192
 FULL_NODE_READ_EVERY = 60.0  # seconds between reads of every node row (in between: changed rows only)
-# New placements wait while this server's node reports are behind by more than this share of the
-# accept deadline. The assignment window bounds how many Assigns wait for their acceptance, not how
-# long: on an overloaded server a full window of them queued behind thousands of reports, and some
-# acceptances were recorded after their deadline — their tasks placed again for nothing. Holding
-# placements while the reports catch up costs no throughput (the acceptances are the bottleneck then).
+# New placements wait while this server's gateway is behind by more than this share of the accept
+# deadline: on its node reports, or on its writes to the streams. The assignment window bounds how
+# many Assigns wait for their acceptance, not how long: on an overloaded server a full window of them
+# queued behind thousands of reports, or behind the writes of 5,000 streams, and some acceptances
+# were recorded after their deadline — their tasks placed again for nothing. Holding placements while
+# the gateway catches up costs no throughput (the acceptances are the bottleneck then).
 HOLD_SHARE = 0.2
 
 
@@ -208,14 +209,14 @@ def _nowhere(rows: list[OutboxRow]) -> None:
 class Dispatcher:
     def __init__(
         self, store: Store, timing: Timing, *, actor: str, policy_name: str = "spread",
-        reports_behind: Callable[[], float] = lambda: 0.0,
+        behind: Callable[[], float] = lambda: 0.0,
     ) -> None:  # fmt: skip
         self.store = store
         self.timing = timing
         self.actor = actor
         self.policy_name = policy_name
         # how many seconds this server's group commits of node reports are behind (its gateway says)
-        self.reports_behind = reports_behind
+        self.behind = behind
         # The nodes whose streams this server holds, and how their Assigns reach them: the gateway's
         # outbox, given the rows this dispatch marked delivered, pushes them as soon as it commits.
         # With none (a scheduler without a gateway) every node is told by NOTIFY podium_node.
@@ -282,7 +283,7 @@ class Dispatcher:
         return None
 
     async def dispatch_once(self) -> DispatchOutcome:
-        if self.reports_behind() > self.timing.provisioning_deadline * HOLD_SHARE:
+        if self.behind() > self.timing.provisioning_deadline * HOLD_SHARE:
             self.release_handed()  # not placed now: their handlers store them at once
             metrics.DISPATCH_HELD.inc()
             return DispatchOutcome(window_full=True)  # looked at again soon, like a full window

@@ -59,11 +59,12 @@ class Scheduler:
         self.dispatcher = Dispatcher(dispatch_store or store, timing, actor=self.actor, policy_name=policy_name)
         self.watchdog = Watchdog(store, timing, self.applier, retention=retention)
 
-    def hold_while_behind(self, reports_behind: Callable[[], float]) -> None:
-        """Hold new placements while this server's gateway is behind on recording node reports by
-        more than a share of the accept deadline (`dispatch.HOLD_SHARE`); `reports_behind` says by
-        how many seconds. Given once the gateway exists (it is built after the scheduler)."""
-        self.dispatcher.reports_behind = reports_behind
+    def hold_while_behind(self, behind: Callable[[], float]) -> None:
+        """Hold new placements while this server's gateway is behind (on recording node reports, or on
+        writing to the streams) by more than a share of the accept deadline (`dispatch.HOLD_SHARE`);
+        `behind` says by how many seconds (`Gateway.behind`). Given once the gateway exists (it is
+        built after the scheduler)."""
+        self.dispatcher.behind = behind
 
     def deliver_through(self, streams_here: Callable[[], Collection[str]], push: Callable[[list[OutboxRow]], None]) -> None:
         """Assigns for the nodes whose streams this server holds (`streams_here`) are marked delivered
