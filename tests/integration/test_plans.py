@@ -13,8 +13,9 @@ from podium.store import Store
 from podium.store.queries import queries
 from tests.integration.helpers import submit
 
-# What the keyed pool runs (the gateway's group commits, log flushes, outbox takes and release
-# proofs), each with the indexes it may read whole because that is its job.
+# What the gateway's keyed pool runs (its group commits, log flushes, outbox takes and release
+# proofs), each with the indexes it may read whole because that is its job. (The dispatch passes'
+# pool is keyed too; its reservation still reads the nodes' primary key whole on a new database.)
 KEYED_STATEMENTS: dict[str, set[str]] = {
     "lock_tasks": set(),
     "lock_task_facts": set(),
