@@ -350,6 +350,8 @@ def test_three_replicas_twenty_agents(cluster: Cluster) -> None:
 # replica stopped between its read and its write. (The nodes it places on were read just before, in
 # the same round trip as the pass's facts, outside the transaction.)
 READS = ("SKIP LOCKED",)
+LOCK_NODES = "Placement takes its nodes' rows in id order"  # the dispatch pass's node locks (lock_nodes)
+GATE = 1.0  # seconds the node rows are held at most for one try (heartbeats wait on them too)
 
 
 PG_PORT = urlsplit(PG15_URL).port or 5432
@@ -380,8 +382,57 @@ def pause_between_read_and_write(server: Server, url: str, seconds: float, searc
     out = Pause()
     q = """SELECT pid, xact_start, query FROM pg_stat_activity
            WHERE client_port = ANY($1::int[]) AND state = 'idle in transaction'"""
+    gated_q = """SELECT pid, xact_start, query FROM pg_stat_activity
+                 WHERE client_port = ANY($1::int[]) AND state = 'active' AND wait_event_type = 'Lock'
+                   AND strpos(query, $2) > 0"""
+
+    async def gated() -> bool:
+        """The sure way: hold every node row for up to GATE seconds, so the replica's next pass that
+        claimed work waits in `lock_nodes` — inside its transaction, after its read, before any write.
+        Stop it there, then let the rows go: its statement ends and its transaction stays open while
+        it is stopped. (Polling for the moment between two statements instead is a race that a fast
+        machine, whose passes are short, loses.) Held briefly: heartbeats wait on the same rows."""
+        conn, gate = await asyncpg.connect(url), await asyncpg.connect(url)
+        try:
+            stop_at = time.monotonic() + search_for
+            while time.monotonic() < stop_at:
+                waiting = []
+                tr = gate.transaction()
+                await tr.start()
+                try:
+                    await gate.execute("SELECT id FROM nodes ORDER BY id FOR NO KEY UPDATE")
+                    until = time.monotonic() + GATE
+                    while not waiting and time.monotonic() < until:
+                        await asyncio.sleep(0.01)
+                        waiting = await conn.fetch(gated_q, db_ports(server.pid), LOCK_NODES)
+                    if waiting:
+                        out.tries += 1
+                        server.signal(signal.SIGSTOP)
+                finally:
+                    await tr.rollback()
+                if not waiting:
+                    await asyncio.sleep(GATE)  # the heartbeats catch up before the next try
+                    continue
+                t0 = time.monotonic()
+                key = (waiting[0]["pid"], waiting[0]["xact_start"])
+                while time.monotonic() - t0 < 1.0:
+                    idle = [r for r in await conn.fetch(q, db_ports(server.pid)) if (r["pid"], r["xact_start"]) == key]
+                    if idle:
+                        out.caught, out.query = True, idle[0]["query"]
+                        break
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(max(0.0, seconds - (time.monotonic() - t0)))
+                server.signal(signal.SIGCONT)
+                out.seconds = time.monotonic() - t0
+                return out.caught
+            return False
+        finally:
+            await gate.close()
+            await conn.close()
 
     async def run() -> None:
+        if await gated():
+            return
         conn = await asyncpg.connect(url)
         try:
             stop_at = time.monotonic() + search_for
