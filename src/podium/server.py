@@ -136,9 +136,9 @@ class PodiumServer:
             log.info("applied migrations: %s", ", ".join(applied))
         security = Security(store, SecretBox(load_key(self.cfg.data_dir)))
         await security.bootstrap(self.cfg.data_dir)
-        # A pass runs on one connection, its statements all by key (a batch of task ids, the nodes'
-        # ids): a keyed pool, so none of their plans, made while the tables were small, reads a whole
-        # table on every pass as they grow
+        # A pass runs on one connection, its statements by key (a batch of task ids, the nodes' ids):
+        # a keyed pool, so no plan of theirs made while the tables were small scans a whole table on
+        # every pass as they grow (the reservation still reads the nodes' primary key whole then)
         self.dispatch_store = await Store.connect(url, min_size=1, max_size=1, serialization_retry_limit=retry_limit, keyed=True)
         scheduler = Scheduler(
             store, self.timing, server_id=self.server_id, policy_name=self.cfg.placement_policy, retention=self.cfg.retention,

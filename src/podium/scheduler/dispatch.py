@@ -215,7 +215,7 @@ class Dispatcher:
         self.timing = timing
         self.actor = actor
         self.policy_name = policy_name
-        # how many seconds this server's group commits of node reports are behind (its gateway says)
+        # how many seconds this server's gateway is behind, on its reports or its streams (`Gateway.behind`)
         self.behind = behind
         # The nodes whose streams this server holds, and how their Assigns reach them: the gateway's
         # outbox, given the rows this dispatch marked delivered, pushes them as soon as it commits.
