@@ -326,14 +326,13 @@ async def test_changes_made_as_expected_are_each_their_own_compare_and_set(store
     ]
     results = await store.transition_expected(changes)
     assert [r is not None for r in results] == [True, True, False, False, False]
-    assert [(r.task_id, r.fencing_token, r.attempt_node) for r in results[:2] if r] == [
-        (d, where[d][1], where[d][0]), (a, where[a][1], where[a][0])
-    ]  # fmt: skip
+    assert [(r.task_id, r.fencing_token) for r in results[:2] if r] == [(d, where[d][1]), (a, where[a][1])]
     for t in (a, d):
         task, attempts, events, _nodes = await snapshot(store, t)
         assert (task["state"], task["revision"]) == ("provisioning", before[t][0]["revision"] + 1)
         assert task["lease_expires_at"] is not None
         assert (attempts[-1]["state"], attempts[-1]["provisioning_at"] is not None) == ("provisioning", True)
+        assert (attempts[-1]["node_id"], attempts[-1]["fencing_token"]) == where[t]
         assert [(ev["from_state"], ev["to_state"], ev["actor"]) for ev in events][-1] == (
             "assigned", "provisioning", f"node:{where[t][0]}"
         )  # fmt: skip

@@ -151,7 +151,6 @@ class Transition:
 
     task_id: uuid.UUID
     fencing_token: int | None
-    attempt_node: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -636,7 +635,7 @@ class Store:
                         await c.execute(self.q["audit"], change.actor, audit.action, str(change.task_id), audit.detail)
         if row is None:
             return None
-        return Transition(row["id"], row["fencing_token"], row["attempt_node"])
+        return Transition(row["id"], row["fencing_token"])
 
     async def transition_task(
         self,
@@ -705,7 +704,7 @@ class Store:
         async with self._conn() as conn:
             made = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], rows)}
         return [
-            None if (r := made.get(c.task_id)) is None else Transition(r["id"], r["fencing_token"], r["attempt_node"])
+            None if (r := made.get(c.task_id)) is None else Transition(r["id"], r["fencing_token"])
             for c in changes
         ]
 
@@ -781,7 +780,7 @@ class Store:
             for i in todo:
                 r = done.get(changes[i].task_id)
                 if r is not None:
-                    out[i] = Transition(r["id"], r["fencing_token"], r["attempt_node"])
+                    out[i] = Transition(r["id"], r["fencing_token"])
                     made.add(changes[i].task_id)
         return out
 
