@@ -60,8 +60,7 @@ class UiStore:
         """The event hub's read: events_after, unfiltered, and whether events after `cursor` are held back
         behind an open transaction (one that may end without a NOTIFY), in one round trip."""
         async with self.store._conn() as conn:
-            rows = await conn.fetch(self.store.q["hub_read"], str(cursor.txid), cursor.id, cursor.floor, limit,
-                                    None, None, None, True, True)  # fmt: skip
+            rows = await conn.fetch(self.store.q["hub_read"], str(cursor.txid), cursor.id, cursor.floor, limit)
         held = bool(rows) and rows[-1]["kind"] == "held"
         return StreamEventRow.many(rows[:-1] if held else rows), held
 
