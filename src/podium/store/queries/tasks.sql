@@ -166,8 +166,8 @@ WITH d AS (
     FROM (SELECT 1 WHERE EXISTS (SELECT 1 FROM freed) OR EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued')) z
 )
 -- one row per change made, and nothing read per row from `ended` or `moved`: a CTE has no index, so
--- a lookup in them for each row would be a scan for each row (a group commit of 900 reports spent
--- ~15 ms of the database's CPU on such lookups)
+-- a lookup in them for each row would be a scan for each row: quadratic in the batch, 20 ms of the
+-- database's CPU at 930 rows (tests/integration/test_plans.py keeps it out)
 SELECT t.id, t.fencing_token,
        (SELECT n FROM woke_node) AS woke_node, (SELECT n FROM woke_dispatch) AS woke_dispatch
 FROM t
