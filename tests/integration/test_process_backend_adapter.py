@@ -204,3 +204,65 @@ async def test_a_start_out_of_descriptors_gives_back_what_it_took(tmp_path: Path
         await ProcessRun(["true"], {"PATH": os.environ["PATH"]}, tmp_path / "w").start()
     monkeypatch.undo()
     assert len(calls) == 2 and sorted(os.listdir("/proc/self/fd")) == before
+
+
+def tool(d: Path, name: str, says: str, mode: int = 0o755) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / name
+    f.write_text(f"#!/bin/sh\necho {says}\n")
+    f.chmod(mode)
+    return f
+
+
+async def run_out(b: ProcessBackend, env: dict[str, str], workdir: Path, *command: str) -> tuple[int | None, bytes]:
+    h = await b.start(spec(*command), env, workdir)
+    out = Output()
+    res = await b.wait(h, out)
+    await b.destroy(h)
+    return res.exit_code, out.data["stdout"]
+
+
+def test_a_command_is_found_where_the_childs_own_search_would_find_it(tmp_path: Path) -> None:
+    """The first directory of PATH holding an executable file of that name; a directory of that name
+    or a file no one may run is passed over, as `execve` fails on them and the search goes on."""
+    from podium.agent import process_backend as pb
+
+    pb._found.clear()
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    (a / "tool").mkdir(parents=True)  # a directory of that name
+    tool(b, "tool", "b", mode=0o644)  # not executable
+    wanted = tool(c, "tool", "c")
+    assert pb.executable("tool", f"{a}:{b}:{c}") == str(wanted)
+    assert pb.executable("nothing-of-that-name", f"{a}:{b}:{c}") is None  # the child reports it
+    assert pb.executable("./tool", f"{c}") is None and pb.executable(f"{c}/tool", f"{a}") is None  # paths run as given
+    # an empty or relative entry before the hit means the child's working directory: not for us to say
+    assert pb.executable("tool", f"{a}::{c}") is None and pb.executable("tool", f"rel:{c}") is None
+    assert pb.executable("tool", f"{c}:rel") == str(wanted)
+    # kept for LOOKUP_TTL: one installed earlier in PATH meanwhile is found once that has passed
+    newer = tool(b, "tool", "b, runnable now")
+    assert pb.executable("tool", f"{a}:{b}:{c}") == str(wanted)
+    key = (f"{a}:{b}:{c}", "tool")
+    pb._found[key] = (pb._found[key][0], time.monotonic() - 0.001)  # as if the second had passed
+    assert pb.executable("tool", f"{a}:{b}:{c}") == str(newer)
+
+
+async def test_a_command_found_is_run_under_its_own_name_and_looked_for_again_when_gone(tmp_path: Path) -> None:
+    from podium.agent import process_backend as pb
+
+    pb._found.clear()
+    one, two = tmp_path / "one", tmp_path / "two"
+    first = tool(one, "tool", "one")
+    tool(two, "tool", "two")
+    b = ProcessBackend()
+    env = {"PATH": f"{one}:{two}:{os.environ['PATH']}"}
+    assert await run_out(b, env, tmp_path / "w1", "tool") == (0, b"one\n")
+    # argv[0] is the name the spec gave, not the path it was found at
+    assert await run_out(b, env, tmp_path / "w2", "sh", "-c", 'echo "$0"') == (0, b"sh\n")
+    # removed while its place is kept: the start still finds the next one, as the child's search would
+    first.unlink()
+    assert pb._found[(env["PATH"], "tool")][0] == str(first)
+    assert await run_out(b, env, tmp_path / "w3", "tool") == (0, b"two\n")
+    # and none at all is still the exit a shell gives
+    with pytest.raises(StartFailed) as ei:
+        await b.start(spec("no-such-tool-anywhere"), env, tmp_path / "w5")
+    assert ei.value.exit_code == 127
