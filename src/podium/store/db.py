@@ -189,11 +189,11 @@ class Change:
 
     def row(self) -> tuple[Any, ...]:
         if self.via is None:
-            if not is_allowed(TaskState(self.from_), TaskState(self.to)):
+            if not is_allowed(self.from_, self.to):
                 raise ValueError(f"transition {self.from_} → {self.to} is not allowed")
         elif TaskState(self.via) != TaskState.RUNNING or self.end_attempt is None:
             raise ValueError(f"a change may pass through running on its way to an end only, not {self.via} → {self.to}")
-        elif not (is_allowed(TaskState(self.from_), TaskState.RUNNING) and is_allowed(TaskState.RUNNING, TaskState(self.to))):
+        elif not (is_allowed(self.from_, TaskState.RUNNING) and is_allowed(TaskState.RUNNING, self.to)):
             raise ValueError(f"transition {self.from_} → {self.via} → {self.to} is not allowed")
         return (
             self.task_id, str(self.from_), str(self.to), self.reason, self.fencing_token, self.node_id,
