@@ -9,7 +9,8 @@ host (ordinary timers: PODIUM_TEST_FAST_TIMERS is removed), runs `podium bench`'
 timestamp), and reads from /proc the CPU time (user + system) every process of the run spent during
 the burst, by role: server, postgres, agent, fence (the agents' fence keepers), task (the commands
 themselves and anything else under the run); and, apart from that total, what this process (the
-bench's own client) spent. `--podium PATH` runs another build's server and agents (e.g. a checkout of
+bench's own client) spent, and what the commands the agents started and reaped spent (their own
+CPU, which the agents' /proc records once they are waited for). `--podium PATH` runs another build's server and agents (e.g. a checkout of
 main) with this checkout's client, for a before/after in one run.
 """
 
@@ -51,6 +52,9 @@ def role(cmd: str) -> str:
     return "task"
 
 
+COMMANDS = "commands"  # not a role: the agents' reaped children, kept out of the total
+
+
 def cpu_ticks(mark: str) -> dict[str, int]:
     """Clock ticks of CPU (user + system) of every live process whose command line, or an ancestor's,
     names `mark` (the run's directory: the server's data dir, the agents' state dirs, the embedded
@@ -68,16 +72,19 @@ def cpu_ticks(mark: str) -> dict[str, int]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        # utime and stime: fields 14 and 15 of stat, here 11 and 12 after the command's ")"
-        procs[int(pid)] = (int(fields[1]), int(fields[11]) + int(fields[12]), cmd)
+        # utime and stime: fields 14 and 15 of stat, here 11 and 12 after the command's ")"; cutime and
+        # cstime (16, 17): the children it has waited for
+        procs[int(pid)] = (int(fields[1]), int(fields[11]) + int(fields[12]), cmd, int(fields[13]) + int(fields[14]))
     out: dict[str, int] = {}
-    for pid, (_ppid, ticks, cmd) in procs.items():
+    for pid, (_ppid, ticks, cmd, reaped) in procs.items():
         p, ours = pid, False
         while p in procs and p > 1 and not ours:
             ours = mark in procs[p][2]
             p = procs[p][0]
         if ours:
             out[role(cmd)] = out.get(role(cmd), 0) + ticks
+            if role(cmd) == "agent":  # the tasks' commands, which an agent reaps
+                out[COMMANDS] = out.get(COMMANDS, 0) + reaped
     return out
 
 
@@ -240,8 +247,9 @@ def main() -> None:
             after, mine_after = cpu_ticks(str(run.tmp)), os.times()
             r["dispatch"] = {k: round(v - counted[k], 3) for k, v in dispatch_counters(b.addr, b.token).items()}
             hz = os.sysconf("SC_CLK_TCK")
-            r["cpu_ms_per_task"] = {k: round((after.get(k, 0) - before.get(k, 0)) * 1000 / hz / a.tasks, 2)
-                                    for k in sorted(after)}  # fmt: skip
+            per_task = {k: round((after.get(k, 0) - before.get(k, 0)) * 1000 / hz / a.tasks, 2) for k in sorted(after)}
+            r["commands_cpu_ms_per_task"] = per_task.pop(COMMANDS, 0.0)
+            r["cpu_ms_per_task"] = per_task
             r["cpu_ms_per_task"]["total"] = round(sum(r["cpu_ms_per_task"].values()), 2)
             # this process: the bench's own client (its submissions, its reading of the event stream),
             # left out of the total as the issue's breakdown leaves it out, but sharing the same cores
@@ -292,6 +300,8 @@ def summary(r: dict) -> str:  # type: ignore[type-arg]
         lines.append("  CPU ms per task: " + ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_task"].items()))
     if "client_cpu_ms_per_task" in r:
         lines.append(f"  and the bench's own client (not in the total): {r['client_cpu_ms_per_task']} ms per task")
+    if "commands_cpu_ms_per_task" in r:
+        lines.append(f"  and the commands themselves, reaped by the agents (not in the total): {r['commands_cpu_ms_per_task']} ms per task")
     for stage, v in r.get("stages_ms", {}).items():
         lines.append(f"    {stage}: p50 {v['p50']} / p90 {v['p90']} ms")
     return "\n".join(lines)
