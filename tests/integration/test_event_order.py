@@ -109,23 +109,30 @@ async def test_the_hub_wakes_on_notify_and_fans_out_to_filtered_clients(store: S
         # What matters is that it sees the other task, which the filtered one never does.
         seen: list[Any] = []
         reader = asyncio.ensure_future(_collect(everything, seen))
-        while hub.clients < 2:  # both clients have taken their place at the hub's head
-            await asyncio.sleep(0.01)
-        t2 = await submit(store)
-        async with store.pool.acquire() as c:
+        # every step bounded: a step that never ends fails here, at its own line, not at the suite's
+        # timeout (one CI run hung in this test for 300 s, somewhere in it)
+        async with asyncio.timeout(30):
+            while hub.clients < 2:  # both clients have taken their place at the hub's head
+                await asyncio.sleep(0.01)
+        async with asyncio.timeout(30):
+            t2 = await submit(store)
+        async with asyncio.timeout(30), store.pool.acquire() as c:
             await c.execute(INSERT, t1)
         deadline = asyncio.get_running_loop().time() + 30
         while not any(r.task_id == t2 for r in seen) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        got_other = next(r for r in seen if r.task_id == t2)
+        got_other = next((r for r in seen if r.task_id == t2), None)
+        assert got_other is not None, f"the unfiltered client never saw {t2}; it saw {seen}"
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
-        got_mine = await first_mine
+        async with asyncio.timeout(30):
+            got_mine = await first_mine
         assert got_other.task_id == t2 != t1
         assert got_mine is not None and got_mine.task_id == t1
-        await mine.aclose()
-        await everything.aclose()
+        async with asyncio.timeout(30):
+            await mine.aclose()
+            await everything.aclose()
     finally:
         hub.close()
 
