@@ -10,8 +10,8 @@ timestamp), and reads from /proc the CPU time (user + system) every process of t
 the burst, by role: server, postgres, agent, fence (the agents' fence keepers), task (the commands
 themselves and anything else under the run); and, apart from that total, what this process (the
 bench's own client) spent, and what the commands the agents started and reaped spent (their own
-CPU, which the agents' /proc records once they are waited for). `--podium PATH` runs another build's server and agents (e.g. a checkout of
-main) with this checkout's client, for a before/after in one run.
+CPU, which the agents' /proc records once they are waited for). `--podium PATH` runs another build's
+server and agents (e.g. a checkout of main) with this checkout's client, for a before/after in one run.
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ def cpu_ticks(mark: str) -> dict[str, int]:
             ours = mark in procs[p][2]
             p = procs[p][0]
         if ours:
-            out[role(cmd)] = out.get(role(cmd), 0) + ticks
-            if role(cmd) == "agent":  # the tasks' commands, which an agent reaps
+            r = role(cmd)
+            out[r] = out.get(r, 0) + ticks
+            if r == "agent":  # the tasks' commands, which an agent reaps
                 out[COMMANDS] = out.get(COMMANDS, 0) + reaped
     return out
 

@@ -55,7 +55,8 @@ def executable(name: str, path: str) -> str | None:
     `true` on the bench's PATH), while the parent, suspended by the vfork, waits, and first builds
     the list of candidates in Python (os.get_exec_path, which resets the warnings filters on every
     call). Found once, a name is kept for LOOKUP_TTL: a command installed in an earlier directory
-    of PATH is run from there a second later at most, as a shell's remembered paths never are."""
+    of PATH is run from there a second later at most (a shell's remembered paths are never looked
+    up again unless the file goes away)."""
     if os.sep in name:
         return None
     now = time.monotonic()
