@@ -175,12 +175,13 @@ def agent_connections(a: Agent) -> list[tuple[str, str]]:
 
 
 def start_agents(cluster: Cluster, servers: list[Server], n: int, slots: int, prefix: str = "a",
-                 extra_env: dict[str, str] | None = None) -> list[Agent]:  # fmt: skip
+                 extra_env: dict[str, str] | None = None, labels: dict[str, str] | None = None) -> list[Agent]:  # fmt: skip
     """Agent i's first address is replica i % len(servers); the others follow for failover."""
     agents = []
     for i in range(n):
         k = i % len(servers)
-        agents.append(cluster.agent(f"{prefix}{i:02d}", servers=servers[k:] + servers[:k], slots=slots, extra_env=extra_env))
+        agents.append(cluster.agent(f"{prefix}{i:02d}", servers=servers[k:] + servers[:k], slots=slots,
+                                    extra_env=extra_env, labels=labels))  # fmt: skip
     url = cluster.db_url
     assert url is not None
     wait_for(lambda: sql_val(url, "SELECT count(*) FROM nodes WHERE connected AND health = 'online'") == n,
@@ -374,11 +375,13 @@ class Pause:
     seconds: float = 0.0
 
 
-def pause_between_read_and_write(server: Server, url: str, seconds: float, search_for: float = 20.0) -> Pause:
+def pause_between_read_and_write(server: Server, url: str, seconds: float, search_for: float = 20.0,
+                                 place: Callable[[], None] | None = None) -> Pause:  # fmt: skip
     """SIGSTOP `server` while one of its connections sits inside a dispatch transaction after a read,
     confirm it is still there once stopped, hold it `seconds`, SIGCONT. Misses (the transaction ended
     before the signal landed) are let go at once and tried again; if none is caught within
-    `search_for` seconds the server is paused wherever it is."""
+    `search_for` seconds the server is paused wherever it is. `place`, called once the node rows
+    are held, makes `server` place a task (without waiting for it): see `gated`."""
     out = Pause()
     q = """SELECT pid, xact_start, query FROM pg_stat_activity
            WHERE client_port = ANY($1::int[]) AND state = 'idle in transaction'"""
@@ -391,7 +394,12 @@ def pause_between_read_and_write(server: Server, url: str, seconds: float, searc
         claimed work waits in `lock_nodes` — inside its transaction, after its read, before any write.
         Stop it there, then let the rows go: its statement ends and its transaction stays open while
         it is stopped. (Polling for the moment between two statements instead is a race that a fast
-        machine, whose passes are short, loses.) Held briefly: heartbeats wait on the same rows."""
+        machine, whose passes are short, loses.) Held briefly: heartbeats wait on the same rows.
+
+        A pass places only where it sees room, and room is freed by writing a node's row, which the
+        held rows forbid: on a full fleet only a pass already on its way when the rows were taken
+        could be caught, a race a fast machine loses too. So `place` gives it work for room that
+        stays free (a node the rest of the work cannot use)."""
         conn, gate = await asyncpg.connect(url), await asyncpg.connect(url)
         try:
             stop_at = time.monotonic() + search_for
@@ -401,6 +409,8 @@ def pause_between_read_and_write(server: Server, url: str, seconds: float, searc
                 await tr.start()
                 try:
                     await gate.execute("SELECT id FROM nodes ORDER BY id FOR NO KEY UPDATE")
+                    if place is not None:
+                        place()
                     until = time.monotonic() + GATE
                     while not waiting and time.monotonic() < until:
                         await asyncio.sleep(0.01)
@@ -490,9 +500,14 @@ def test_replica_killed_and_another_paused_mid_run(cluster: Cluster) -> None:
     servers = [cluster.server() for _ in range(3)]
     sids = [server_id(s) for s in servers]
     slots = 4
-    agents = start_agents(cluster, servers, 9, slots)
+    # The work runs on the nine; "spare" keeps its room free for the tasks that pause replica 1 in its
+    # placement (`pause_between_read_and_write`), and streams to it
+    workers = start_agents(cluster, servers, 9, slots, labels={"fleet": "work"})
+    agents = [*workers, cluster.agent("spare", servers=[servers[1], servers[2]], slots=slots, labels={"fleet": "spare"})]
+    wait_for(lambda: sql_val(url, "SELECT count(*) FROM nodes WHERE connected AND health = 'online'") == 10, 90,
+             interval=0.3, what="the spare agent to connect")  # fmt: skip
     n = 600
-    specs = true_specs("faults", n, ["sleep", "0.8"])
+    specs = true_specs("faults", n, ["sleep", "0.8"], labels={"fleet": "work"})
     result: list[Submitted] = []
     errors: list[BaseException] = []
 
@@ -515,7 +530,7 @@ def test_replica_killed_and_another_paused_mid_run(cluster: Cluster) -> None:
 
     # SIGKILL replica 0 once a quarter of the work is done; its agents listed it first
     wait_live(lambda: count_state(url, "succeeded") >= n // 4, 120, servers, "a quarter of the tasks to succeed")
-    victims = [a for i, a in enumerate(agents) if i % 3 == 0]
+    victims = [a for i, a in enumerate(workers) if i % 3 == 0]
     before = {a.name: len(agent_connections(a)) for a in victims}
     killed_at = time.monotonic()
     servers[0].kill()
@@ -540,17 +555,38 @@ def test_replica_killed_and_another_paused_mid_run(cluster: Cluster) -> None:
     # SIGSTOP replica 1 (now holding six agents) between its read and its write, while work is queued
     second_half.set()
     wait_live(lambda: count_state(url, "queued") > 0, 60, servers[1:], "the second half to be queued")
-    paused = pause_between_read_and_write(servers[1], url, PAUSE)
+    # First in the queue, and only for the spare: handed to replica 1's dispatcher when it is idle
+    # (placed by the pass that stores it), else stored and claimed by whichever dispatcher comes first
+    spare_spec = {"command": ["true"], "labels": {"fleet": "spare"}, "priority": 100}
+    spare_posts: list[threading.Thread] = []
+    spare_answers: list[int | str] = []
+
+    def post_spare() -> None:
+        try:
+            r = httpx.post(f"{servers[1].api}/v1/tasks", json=spare_spec, headers=auth(servers[1].api), timeout=60)
+            spare_answers.append(r.status_code)
+        except httpx.HTTPError as e:
+            spare_answers.append(repr(e))
+
+    def place() -> None:
+        spare_posts.append(threading.Thread(target=post_spare, name="spare-submit"))
+        spare_posts[-1].start()
+
+    paused = pause_between_read_and_write(servers[1], url, PAUSE, place=place)
+    for t in spare_posts:
+        t.join(60)
+    assert spare_answers == [201] * len(spare_posts), spare_answers
     assert paused.caught, f"never caught replica 1 inside a dispatch transaction ({paused.tries} tries)"
 
     submitter.join(180)
     assert not errors, errors
     sub = Submitted(ids={k: v for r in result for k, v in r.ids.items()}, retries=sum(r.retries for r in result))
     assert len(sub.ids) == n and len(set(sub.ids.values())) == n
-    wait_all_ended(url, n, 180, live=servers[1:])
+    total = n + len(spare_posts)
+    wait_all_ended(url, total, 180, live=servers[1:])
     # a retried submit never made a second task, whichever replica answered it
-    assert sql_val(url, "SELECT count(*) FROM tasks") == n
-    assert_invariants(cluster, agents, slots, {"succeeded": n})
+    assert sql_val(url, "SELECT count(*) FROM tasks") == total
+    assert_invariants(cluster, agents, slots, {"succeeded": total})
     assert servers[1].alive() and servers[2].alive()
     print(f"\nkilled {sids[0]}: its agents reconnected after {sorted(round(v, 2) for v in reconnected.values())}s; "
           f"paused {sids[1]} for {paused.seconds:.2f}s, caught between read and write: {paused.caught} "
