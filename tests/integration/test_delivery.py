@@ -275,18 +275,42 @@ async def test_a_placement_on_a_node_held_here_is_delivered_by_its_own_transacti
     assert [r.task_id for r in await store.take_outbox(["n1"])] == []  # nothing left for a take to send twice
 
 
+async def test_a_pushed_assign_that_needs_no_secret_is_on_its_stream_when_the_pass_returns(store: Store) -> None:
+    # Queued on the stream by the push itself, with no turn of the delivery loop between (none runs
+    # here); one whose secret must be read first waits for the loop, which reads it.
+    await add_node(store, "n1")
+    async with dispatching_here(store) as (gw, sched):
+        s = Session("n1", 1)
+        gw.sessions["n1"] = s
+        plain = await submit(store, command=["echo", "plain"])
+        await sched.dispatch_once()
+        assert [a.task_id for a in sent(s, "assign")] == [str(plain)]
+        await gw.outbox.security.set_secret("db", b"hunter2", "test")
+        secret = await submit(store, command=["echo", "secret"], secrets=[{"name": "db", "env": "DB"}])
+        await sched.dispatch_once()
+        assert sent(s, "assign") == []
+        async for _ in _delivering(gw):
+            got = await _eventually(lambda: _sent_async(s, "assign"), what="the Assign with its secret")
+    assert [(a.task_id, [(v.env, v.value) for v in a.secrets]) for a in got] == [(str(secret), [("DB", "hunter2")])]
+
+
 async def test_an_assign_whose_stream_ended_before_its_push_is_handed_back_to_whoever_holds_the_node(store: Store) -> None:
     await add_node(store, "n1")
     async with dispatching_here(store) as (gw, sched):
         s = Session("n1", 1)
         gw.sessions["n1"] = s
+
+        def push_after_the_stream_ended(rows: list[Any]) -> None:
+            del gw.sessions["n1"]  # the stream ended while the pass committed
+            gw.outbox.push(rows)
+
+        sched.deliver_through(gw.sessions.keys, push_after_the_stream_ended)
         tid = await submit(store)
         nudges = await store.listen("podium_node")
         try:
             out = await sched.dispatch_once()
             assert [t for t, _n, _tok in out.assigned] == [tid]
             assert (await _attempt_times(store, tid))["delivered_at"] is not None
-            del gw.sessions["n1"]  # the stream ended between the commit and the push
             async for _ in _delivering(gw):
                 assert (await asyncio.wait_for(nudges.get(), 10)).payload == "n1"
         finally:

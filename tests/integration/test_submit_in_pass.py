@@ -85,6 +85,28 @@ async def test_an_idle_dispatcher_stores_and_places_a_submission_in_one_transact
     assert await task_count(store) == 4
 
 
+async def test_the_pass_hands_its_assigns_to_the_gateway_before_it_answers_the_submission(store: Store) -> None:
+    # The handler's HTTP answer is not on any task's way to its node: the Assign goes first.
+    await add_node(store, "n1", slots=4)
+    sched = Scheduler(store, TIMING, server_id="a")
+    handed: list[asyncio.Future[Any]] = []
+    take = sched.dispatcher.take_submission
+
+    def taking(sub: Any) -> Any:
+        fut = take(sub)
+        if fut is not None:
+            handed.append(fut)
+        return fut
+
+    sched.dispatcher.take_submission = taking  # type: ignore[method-assign]
+    answered_at_push: list[list[bool]] = []
+    sched.deliver_through(lambda: ["n1"], lambda rows: answered_at_push.append([f.done() for f in handed]))
+    async with running(sched):
+        [(row, created)] = await sched.submit_many([(spec(name="first"), None)], actor="op")
+    assert created and (await store.get_task(row.id)).state == "assigned"
+    assert answered_at_push == [[False]], "the Assign was pushed after the submission was answered"
+
+
 async def test_a_submission_the_pass_cannot_place_is_stored_by_it_and_queued(store: Store) -> None:
     async with running(Scheduler(store, TIMING, server_id="a")) as sched:
         [(row, created)] = await sched.submit_many([(spec(), None)], actor="op")

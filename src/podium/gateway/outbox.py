@@ -75,7 +75,24 @@ class Outbox:
 
     def push(self, rows: list[OutboxRow]) -> None:
         """Assigns this server's dispatcher placed on nodes whose streams it holds, marked delivered in
-        the placement's own transaction: sent by the next delivery, with no take."""
+        the placement's own transaction: sent with no take. When none of them needs the store (no
+        secret, no registry login to read) and nothing pushed earlier still waits, they are queued on
+        their streams now, in this call, so that each stream's writer runs before whatever the
+        caller wakes next (the dispatcher then answers the submissions' HTTP requests); otherwise
+        the next delivery sends them, in order."""
+        if not self._pushed:
+            now: list[tuple[Session, OutboxRow, dict[str, Any]]] = []
+            for r in rows:
+                s = self.sessions.get(r.node_id)
+                assert r.spec is not None, "an assign outbox row carries its spec"
+                spec = json.loads(r.spec)
+                if s is None or r.kind != "assign" or self.security.needs_store(spec):
+                    break
+                now.append((s, r, spec))
+            else:
+                for s, r, spec in now:
+                    self._assign(s, r, spec, [], [])
+                return
         self._pushed.extend(rows)
         self._wake.set()
 
@@ -178,14 +195,19 @@ class Outbox:
             return await self._undeliverable(r, policy.SECRET_UNREADABLE, {"secret": e.secret, "key_id": e.key_id})
         except NotFound:
             return True  # the task itself is gone (pruned): nothing to send
+        self._assign(s, r, spec, values, registries)
+        return True
+
+    @staticmethod
+    def _assign(s: Session, r: OutboxRow, spec: dict[str, Any], values: list[tuple[str, str]],
+                registries: list[tuple[str, str, str]]) -> None:  # fmt: skip
         s.send(pb.ServerMessage(assign=pb.Assign(
-            task_id=str(task_id), attempt=r.attempt, fencing_token=token,
+            task_id=str(r.task_id), attempt=r.attempt, fencing_token=r.fencing_token,
             spec_json=r.spec, gpu_indexes=list(r.gpu_indexes or ()),
             secrets=[pb.SecretValue(env=env, value=value) for env, value in values],
             registries=[pb.RegistryCredential(registry=h, username=u, password=p) for h, u, p in registries],
         )))  # fmt: skip
-        s.carried(token, spec.get("timeout"))
-        return True
+        s.carried(r.fencing_token, spec.get("timeout"))
 
     async def _undeliverable(self, r: OutboxRow, problem: str, detail: dict[str, Any]) -> bool:
         """Apply the policy's step for an Assign that cannot be sent; the detail (which secret, which

@@ -346,9 +346,14 @@ class Dispatcher:
         except BaseException as e:
             self._answer_handed(handed, e)
             raise
-        self._answer_handed(handed, outcome.submitted)  # first: stored, whatever befalls the push
-        if outcome.delivered:
-            self.push(outcome.delivered)
+        try:
+            # The Assigns first: the gateway queues them on their streams in this call (when they
+            # need no secret read), so the streams' writers run before the submissions' handlers,
+            # whose HTTP answers are not on the way to any task's start.
+            if outcome.delivered:
+                self.push(outcome.delivered)
+        finally:
+            self._answer_handed(handed, outcome.submitted)  # stored, whatever befalls the push
         if whole and not outcome.window_full and not outcome.lost_races:
             self._window_looked_at = now
         return outcome

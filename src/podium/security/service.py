@@ -155,6 +155,12 @@ class Security:
         login = json.loads(self.box.open(name, rows[0].nonce, rows[0].ciphertext))
         return login["username"], login["password"]
 
+    @staticmethod
+    def needs_store(spec: dict[str, Any]) -> bool:
+        """Whether `resolve` has anything to read for this spec: a secret it names, or the registry
+        login of its image. When not, its Assign needs nothing but the spec."""
+        return bool(spec.get("secrets") or spec.get("image"))
+
     async def resolve(self, spec: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
         """(env, value) of every secret the spec names, and (registry, user, password) for the
         registry its image comes from, if one is stored. Called just before the Assign is sent.
