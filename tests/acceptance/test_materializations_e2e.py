@@ -33,8 +33,13 @@ def test_a_node_reports_its_materializations_and_a_changed_runtime_is_told(clust
 
     now = wait_for(changed, 30, what="the node's new runtime")
     new_digest = now["materializations"][0]["runtime_digest"]
-    events = cluster.api.http.get(f"/v1/nodes/{node['id']}/events").json()
-    told = [e for e in events if e["kind"] == "runtime_changed"]
+
+    def told_events() -> list | None:
+        events = cluster.api.http.get(f"/v1/nodes/{node['id']}/events").json()
+        return [e for e in events if e["kind"] == "runtime_changed"] or None
+
+    # written once the Hello that brought the new runtime is recorded (its own commit, just after)
+    told = wait_for(told_events, 30, what="the runtime_changed event")
     assert len(told) == 1
     assert m["runtime_digest"] in told[0]["message"] and new_digest in told[0]["message"]
     assert told[0]["detail"]["changes"] == [{"backend_kind": "process", "from": m["runtime_digest"], "to": new_digest}]
