@@ -17,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from podium import reasons
+from podium.gateway.outbox import PUSH_NOW_MAX
 from podium.gateway.service import Gateway
 from podium.gateway.sessions import Session
 from podium.scheduler.apply import Applier
@@ -292,6 +293,27 @@ async def test_a_pushed_assign_that_needs_no_secret_is_on_its_stream_when_the_pa
         async for _ in _delivering(gw):
             got = await _eventually(lambda: _sent_async(s, "assign"), what="the Assign with its secret")
     assert [(a.task_id, [(v.env, v.value) for v in a.secrets]) for a in got] == [(str(secret), [("DB", "hunter2")])]
+
+
+async def test_a_pass_that_places_many_leaves_their_assigns_to_the_delivery_loop(store: Store) -> None:
+    # Building them all in the push would hold the next pass; the loop builds them meanwhile
+    await add_node(store, "n1", slots=PUSH_NOW_MAX + 1, cpu=100_000, memory=64 * 2**30)
+    async with dispatching_here(store) as (gw, sched):
+        s = Session("n1", 1)
+        gw.sessions["n1"] = s
+        tids = [await submit(store, command=["echo", str(i)]) for i in range(PUSH_NOW_MAX + 1)]
+        out = await sched.dispatch_once()
+        assert len(out.assigned) == PUSH_NOW_MAX + 1
+        assert sent(s, "assign") == []
+        got: list[Any] = []
+
+        async def all_sent() -> bool:
+            got.extend(sent(s, "assign"))
+            return len(got) == len(tids)
+
+        async for _ in _delivering(gw):
+            await _eventually(all_sent, what="every Assign of the pass")
+    assert sorted(a.task_id for a in got) == sorted(map(str, tids))
 
 
 async def test_an_assign_whose_stream_ended_before_its_push_is_handed_back_to_whoever_holds_the_node(store: Store) -> None:

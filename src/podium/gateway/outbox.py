@@ -30,6 +30,9 @@ from podium.timing import Timing
 
 log = logging.getLogger(__name__)
 
+# At most this many Assigns of one push are queued on their streams by the push itself (`Outbox.push`)
+PUSH_NOW_MAX = 16
+
 
 class Outbox:
     def __init__(
@@ -75,12 +78,14 @@ class Outbox:
 
     def push(self, rows: list[OutboxRow]) -> None:
         """Assigns this server's dispatcher placed on nodes whose streams it holds, marked delivered in
-        the placement's own transaction: sent with no take. When none of them needs the store (no
-        secret, no registry login to read) and nothing pushed earlier still waits, they are queued on
-        their streams now, in this call, so that each stream's writer runs before whatever the
-        caller wakes next (the dispatcher then answers the submissions' HTTP requests); otherwise
-        the next delivery sends them, in order."""
-        if not self._pushed:
+        the placement's own transaction: sent with no take. A few that need nothing from the store
+        (no secret, no registry login to read), with nothing pushed earlier still waiting, are
+        queued on their streams now, in this call, so that each stream's writer runs before whatever
+        the caller wakes next (the dispatcher then answers the submissions' HTTP requests);
+        otherwise the next delivery sends them, in order. Not many: building hundreds of Assigns here
+        would hold the dispatcher's next pass, where the delivery loop builds them while that pass
+        waits on the database."""
+        if not self._pushed and len(rows) <= PUSH_NOW_MAX:
             now: list[tuple[Session, OutboxRow, dict[str, Any]]] = []
             for r in rows:
                 s = self.sessions.get(r.node_id)
