@@ -89,9 +89,10 @@ class Outbox:
             now: list[tuple[Session, OutboxRow, dict[str, Any]]] = []
             for r in rows:
                 s = self.sessions.get(r.node_id)
-                assert r.spec is not None, "an assign outbox row carries its spec"
+                if s is None or r.kind != "assign" or r.spec is None:
+                    break  # a stream that ended (its Assign handed back), or not an Assign: the loop's
                 spec = json.loads(r.spec)
-                if s is None or r.kind != "assign" or self.security.needs_store(spec):
+                if self.security.needs_store(spec):
                     break
                 now.append((s, r, spec))
             else:

@@ -347,7 +347,7 @@ class Dispatcher:
             self._answer_handed(handed, e)
             raise
         try:
-            # The Assigns first: the gateway queues them on their streams in this call (when they
+            # The Assigns first: the gateway queues a few on their streams in this call (when they
             # need no secret read), so the streams' writers run before the submissions' handlers,
             # whose HTTP answers are not on the way to any task's start.
             if outcome.delivered:
