@@ -129,6 +129,20 @@ async def test_a_command_that_closes_its_output_is_waited_for_until_it_exits(tmp
     await b.destroy(h)
 
 
+async def test_what_a_command_leaves_running_writes_after_its_exit_is_read_too(tmp_path: Path) -> None:
+    """A short command's output is read once it has exited, all at once; a process it left behind
+    holding its output is read from as it writes, and the wait lasts until that one closes it."""
+    b = ProcessBackend()
+    script = "echo early; echo warned >&2; (sleep 0.3; echo late) &"
+    h = await b.start(spec("sh", "-c", script), {"PATH": os.environ["PATH"]}, tmp_path / "w")
+    out = Output()
+    t0 = time.monotonic()
+    res = await asyncio.wait_for(b.wait(h, out), 30)
+    assert res.exit_code == 0 and time.monotonic() - t0 >= 0.25
+    assert out.data == {"stdout": b"early\nlate\n", "stderr": b"warned\n"}
+    await b.destroy(h)
+
+
 async def test_a_command_inherits_no_descriptor_of_the_agent(tmp_path: Path) -> None:
     """A task holding one of the agent's descriptors could keep the fence keeper's pipe open after
     the agent died (and the keeper would never kill it): it gets its stdin, stdout and stderr only,

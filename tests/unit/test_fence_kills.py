@@ -31,7 +31,7 @@ import pytest
 
 from podium.agent import fence
 from podium.agent.agent import Agent, AgentConfig, Attempt, Superseded
-from podium.agent.fence import FenceKeeper, start_time
+from podium.agent.fence import FenceKeeper, identity, pidfs, pidfs_inode, same_group, start_time
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.timing import DEFAULT_TIMING, FAST_TIMER_DIVISOR
 from tests.harness import wait_for
@@ -301,6 +301,26 @@ def test_the_keeper_never_kills_a_group_number_another_process_has_taken() -> No
         wait_for(lambda: mine.poll() is not None, 30, what="the fence keeper to kill at the deadline")
         assert other.poll() is None, "the keeper killed a group whose number had been reused"
         assert keeper.killed(4) == "lease expired"
+
+
+@pytest.mark.skipif(not pidfs(), reason="a kernel without pidfs (Linux < 6.9): groups are named by start time")
+def test_a_group_is_named_by_its_leaders_pidfs_inode_and_another_process_is_spared() -> None:
+    # As above, with the name the agent gives a group it started (its pidfd's inode): a registered
+    # inode that is not the process's now means the number was reused, and that group is not killed
+    with _keeper_and_groups(2) as (keeper, (other, mine)):
+        ino = pidfs_inode(other.pid)
+        assert ino is not None and identity(other.pid) == f"i{ino}" and same_group(other.pid, f"i{ino}")
+        assert not same_group(other.pid, f"i{ino + 1}")
+        keeper.renew(time.monotonic() + 0.3)
+        keeper._write(f"add {other.pid} old-task 3 i{ino + 1}\n")
+        keeper.add(mine.pid, "task", 4, identity(mine.pid))
+        wait_for(lambda: mine.poll() is not None, 30, what="the fence keeper to kill at the deadline")
+        assert other.poll() is None, "the keeper killed a group whose number had been reused"
+        assert keeper.killed(4) == "lease expired"
+    # a leader already reaped: its number may still be its group's (taken while a member lives)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert same_group(gone.pid, f"i{ino}")
 
 
 def test_a_restarted_keeper_still_reports_its_kills() -> None:

@@ -30,7 +30,8 @@ removed.
 Protocol on stdin, one command a line (times are CLOCK_MONOTONIC, shared by every process):
     lease <deadline>              the attempts may run until <deadline>
     add <pgid> <task> <token> <start>
-                                  a process group to fence; <start> is its leader's start time
+                                  a process group to fence; <start> names its leader for good:
+                                  i<inode> (its pidfd's, on a kernel with pidfs), or its start time
                                   (/proc/<pid>/stat, clock ticks since boot; 0 when unknown)
     del <pgid>                    that group ended by itself
     kill <why>                    kill every group now (the agent was superseded by another process)
@@ -50,14 +51,15 @@ late acknowledgement renewed it before the agent saw the exit).
 A process group id is a pid, and pids are reused (32768 of them on many machines). A group whose
 leader has been reaped while the agent's `del` is on its way could be another process's by the
 time the lease runs out; the keeper kills a group only while its leader is still the process that
-was registered (same start time), or gone with its number not yet reused (a number stays taken while
-any member of its group lives).
+was registered (the same pidfs inode or start time: `identity`), or gone with its number not yet
+reused (a number stays taken while any member of its group lives).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import select
@@ -95,12 +97,59 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def same_group(pgid: int, started: int) -> bool:
-    """Whether `pgid` may still be the group registered with its leader's start time `started` (0:
-    not known): False when the number now names another process (the group registered is gone).
-    A leader already reaped is fine: the number stays taken while any member of its group lives."""
+@functools.cache
+def pidfs() -> bool:
+    """Whether a pidfd's inode names its process for good: on Linux 6.9 and later (pidfs) every process
+    has an inode number of its own, never given to another while the machine runs; before, every
+    pidfd shared one anonymous inode."""
+    try:
+        mine = os.pidfd_open(os.getpid())
+    except (AttributeError, OSError):
+        return False
+    try:
+        other = os.pidfd_open(os.getppid() or 1)
+    except OSError:
+        os.close(mine)
+        return False
+    try:
+        return os.fstat(mine).st_ino != os.fstat(other).st_ino
+    finally:
+        os.close(mine)
+        os.close(other)
+
+
+def pidfs_inode(pid: int) -> int | None:
+    """The pidfs inode of the process `pid` (see `pidfs`), None if there is no such process."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        return os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
+
+
+def identity(pid: int) -> str:
+    """What names the process `pid` for good, as the keeper's `add` carries it: `i<inode>` (pidfs), or
+    its start time (clock ticks since boot; 0 if it is not there)."""
+    if pidfs():
+        ino = pidfs_inode(pid)
+        if ino is not None:
+            return f"i{ino}"
+    return str(start_time(pid) or 0)
+
+
+def same_group(pgid: int, started: str) -> bool:
+    """Whether `pgid` may still be the group registered with its leader's identity `started` (see
+    `identity`; "0": not known): False when the number now names another process (the group registered
+    is gone). A leader already reaped is fine: the number stays taken while any member of its group
+    lives."""
+    if started.startswith("i"):
+        ino = pidfs_inode(pgid)
+        return ino is None or ino == int(started[1:])
     now = start_time(pgid)
-    return not (started and now is not None and now != started)
+    return not (int(started) and now is not None and now != int(started))
 
 
 def kill_group(pgid: int) -> None:
@@ -186,7 +235,7 @@ def _task_leaders(node: str, parents: set[int]) -> list[tuple[int, str]]:
 
 def main(journal: str | None, engine_url: str | None = None, kills_fd: int | None = None, node: str | None = None) -> None:
     deadline = float("inf")
-    groups: dict[int, tuple[str, str, int]] = {}
+    groups: dict[int, tuple[str, str, str]] = {}
     containers: dict[str, tuple[str, str]] = {}
     engine = _Engine(engine_url)
     agent = os.getppid()  # the agent started this keeper
@@ -260,7 +309,7 @@ def main(journal: str | None, engine_url: str | None = None, kills_fd: int | Non
                 if parts[0] == "lease":
                     deadline = float(parts[1])
                 elif parts[0] == "add":
-                    groups[int(parts[1])] = (parts[2], parts[3], int(parts[4]) if len(parts) > 4 else 0)
+                    groups[int(parts[1])] = (parts[2], parts[3], parts[4] if len(parts) > 4 else "0")
                 elif parts[0] == "del":
                     groups.pop(int(parts[1]), None)
                 elif parts[0] == "cadd":
@@ -291,7 +340,7 @@ class FenceKeeper:
         self.deadline = 0.0
         # the last moment a renewal ended a lapse (monotonic): the deadline had passed before it came
         self.lapse_ended = float("-inf")
-        self.groups: dict[int, tuple[str, int, int]] = {}  # pgid → (task, token, leader's start time)
+        self.groups: dict[int, tuple[str, int, str]] = {}  # pgid → (task, token, leader's identity)
         self.containers: dict[str, tuple[str, int]] = {}
         # What the keeper killed: a file it appends to and this process reads (in memory, never on a
         # disk; shared by every keeper this handle starts, so a restarted keeper's word is kept too).
@@ -383,7 +432,7 @@ class FenceKeeper:
                     self._killed[int(tok)] = why or "killed"
         return self._killed.pop(token, None)
 
-    def add(self, pgid: int, task: str, token: int) -> None:
+    def add(self, pgid: int, task: str, token: int, started: str | None = None) -> None:
         """A started group to fence. The keeper is told at the end of this turn of the agent's loop,
         with every other group started in it (an agent starts a batch of accepted attempts in one
         turn): one pipe write and one wake of the keeper for them all, not one each. Safe to tell a
@@ -391,7 +440,8 @@ class FenceKeeper:
         stalls past the lease first, the keeper's sweep at the lapse does (both look for this node's
         task groups among the agent's children, `_task_leaders`). Told at once when neither sweep can
         find it: a keeper that does not know the node, or a lease already run out (no sweep comes)."""
-        self.groups[pgid] = (task, token, start_time(pgid) or 0)
+        # `started`: the leader's identity if the caller has it already (ProcessRun, from its pidfd)
+        self.groups[pgid] = (task, token, started or identity(pgid))
         line = f"add {pgid} {task} {token} {self.groups[pgid][2]}\n"
         if self.node and not self.expired():
             self._hold(line, soon=True)

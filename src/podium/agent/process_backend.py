@@ -32,7 +32,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from podium.agent import fence
+
 CHUNK = 64 * 1024
+# how long a started command runs before its pipes are watched on the loop; until then (and for a
+# command that ends sooner, which is most of them) they are read once it has exited (`_watch_exit`)
+QUIET_START = 0.005  # seconds
 # bytes read but not yet taken by the sink past which the pipes are not read (the process then
 # blocks on its writes): a slow sink never makes the agent hold a task's whole output
 HIGH_WATER = 2 * CHUNK
@@ -84,6 +89,8 @@ class ProcessRun:
         self._pipes: _Pipes | None = None
         self._exit: asyncio.Future[int] | None = None
         self._stopping = False
+        # what names the process for good (`fence.same_group`): a pidfs inode; None: its start time
+        self.identity: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -116,7 +123,50 @@ class ProcessRun:
             # only the child writes: its pipes end when it and whatever it started close them
             os.close(out_w)
             os.close(err_w)
-        self._pipes = _Pipes(asyncio.get_running_loop(), {out_r: "stdout", err_r: "stderr"})
+        loop = asyncio.get_running_loop()
+        self._pipes = _Pipes(loop, {out_r: "stdout", err_r: "stderr"})
+        self._exit = loop.create_future()
+        self._watch_exit(loop)
+
+    def _watch_exit(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Learn of the exit as it happens, and read the pipes only once it has, or once it has run for
+        QUIET_START: a short command's output is all in its pipes when it exits, read then in one go.
+        Watching each pipe on the loop from the start cost two registrations and two removals a task
+        (Linux's epoll_ctl, and asyncio's bookkeeping around each), more than the rest of the reading.
+
+        The pidfd is readable once the process has exited; it also names the process for good (on a
+        kernel with pidfs its inode is never another process's): the fence keeper is given that,
+        instead of a start time read from /proc, which costs more while the child is still being
+        exec'd. Without a pidfd (an old kernel, not Linux) a thread waits, and the pipes are watched
+        from the start."""
+        assert self.proc is not None and self._pipes is not None and self._exit is not None
+        proc, pipes, done = self.proc, self._pipes, self._exit
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            pipes.watch()
+
+            # a thread of its own, not the loop's executor: a long task would hold one of its few
+            # workers for its whole run (and the working directories' removals queue behind them)
+            def wait() -> None:
+                rc = proc.wait()
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(_set, done, rc)
+
+            threading.Thread(target=wait, name=f"wait-{proc.pid}", daemon=True).start()
+            return
+        if fence.pidfs():
+            self.identity = f"i{os.fstat(pidfd).st_ino}"
+        later = loop.call_later(QUIET_START, pipes.watch)
+
+        def exited() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            later.cancel()
+            _set(done, proc.wait())  # it has exited: the wait only reaps it
+            pipes.read_now()  # everything it wrote is there; a pipe still open elsewhere is watched
+
+        loop.add_reader(pidfd, exited)
 
     def _popen(self, out_w: int, err_w: int) -> subprocess.Popen[bytes]:
         path = self.env.get("PATH", os.defpath)
@@ -154,42 +204,8 @@ class ProcessRun:
         return 128 - rc if rc < 0 else rc
 
     def _exited(self) -> asyncio.Future[int]:
-        """The process's return code once it has exited (and been reaped), for every waiter: the
-        pidfd is readable when it exits; without one (an old kernel, not Linux) a thread waits."""
-        if self._exit is None:
-            assert self.proc is not None
-            loop = asyncio.get_running_loop()
-            proc = self.proc
-            done: asyncio.Future[int] = loop.create_future()
-            self._exit = done
-            rc = proc.poll()  # a short command is often gone by the time its pipes close
-            if rc is not None:
-                done.set_result(rc)
-                return done
-
-            def exited(rc: int) -> None:
-                if not done.done():
-                    done.set_result(rc)
-
-            try:
-                pidfd = os.pidfd_open(proc.pid)
-            except (AttributeError, OSError):
-                # a thread of its own, not the loop's executor: a long task would hold one of its few
-                # workers for its whole run (and the working directories' removals queue behind them)
-                def wait() -> None:
-                    rc = proc.wait()
-                    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                        loop.call_soon_threadsafe(exited, rc)
-
-                threading.Thread(target=wait, name=f"wait-{proc.pid}", daemon=True).start()
-                return done
-
-            def reap() -> None:
-                loop.remove_reader(pidfd)
-                os.close(pidfd)
-                exited(proc.wait())  # it has exited: the wait only reaps it
-
-            loop.add_reader(pidfd, reap)
+        """The process's return code once it has exited (and been reaped), for every waiter."""
+        assert self._exit is not None
         return self._exit
 
     async def stop(self, kill_grace: float) -> None:
@@ -206,8 +222,9 @@ class ProcessRun:
 
 
 class _Pipes:
-    """A process's output pipes, read on the loop as they become readable, in the order the bytes
-    arrive; reading stops while HIGH_WATER bytes wait for the sink, and resumes once it has them."""
+    """A process's output pipes, read in the order the bytes arrive: on the loop as they become
+    readable once `watch`ed, or all at once (`read_now`) when the process has exited; reading stops
+    while HIGH_WATER bytes wait for the sink, and resumes once it has them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, names: dict[int, str]) -> None:
         self.loop = loop
@@ -215,41 +232,71 @@ class _Pipes:
         self.chunks: deque[tuple[str, bytes]] = deque()
         self.buffered = 0
         self.paused = False
+        self.watching = False  # registered with the loop (watch); before that, read only by read_now
         self.wake: asyncio.Future[None] | None = None
         for fd in names:
             os.set_blocking(fd, False)
-            loop.add_reader(fd, self._readable, fd)
+
+    def watch(self) -> None:
+        """Read each pipe on the loop as it becomes readable, from now on."""
+        if self.watching:
+            return
+        self.watching = True
+        if not self.paused:
+            for fd in self.names:
+                self.loop.add_reader(fd, self._readable, fd)
+
+    def read_now(self) -> None:
+        """Read what the pipes hold now (the process has exited: all it wrote), up to HIGH_WATER; a
+        pipe not at its end (a process it started holds it open, or the sink is behind) is watched."""
+        for fd in list(self.names):
+            while fd in self.names and not self.paused and self._read(fd):
+                pass
+        if self.names:
+            self.watch()
+        self._woken()
 
     def _readable(self, fd: int) -> None:
+        self._read(fd)
+        self._woken()
+
+    def _read(self, fd: int) -> bool:
+        """One read of `fd`: whether it gave bytes (False: nothing now, or its end)."""
         try:
             data = os.read(fd, CHUNK)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             data = b""  # nothing more can be read from it
-        if data:
-            self.chunks.append((self.names[fd], data))
-            self.buffered += len(data)
-            if self.buffered >= HIGH_WATER:
-                self._pause()
-        else:
+        if not data:
             self._close(fd)
+            return False
+        self.chunks.append((self.names[fd], data))
+        self.buffered += len(data)
+        if self.buffered >= HIGH_WATER:
+            self._pause()
+        return True
+
+    def _woken(self) -> None:
         if self.wake is not None and not self.wake.done():
             self.wake.set_result(None)
 
     def _pause(self) -> None:
         self.paused = True
-        for fd in self.names:
-            self.loop.remove_reader(fd)
+        if self.watching:
+            for fd in self.names:
+                self.loop.remove_reader(fd)
 
     def _resume(self) -> None:
         self.paused = False
-        for fd in self.names:
-            self.loop.add_reader(fd, self._readable, fd)
+        if self.watching:
+            for fd in self.names:
+                self.loop.add_reader(fd, self._readable, fd)
 
     def _close(self, fd: int) -> None:
         del self.names[fd]
-        self.loop.remove_reader(fd)
+        if self.watching:
+            self.loop.remove_reader(fd)
         os.close(fd)
 
     async def drain(self, sink: OutputSink) -> None:
@@ -268,6 +315,11 @@ class _Pipes:
     def close(self) -> None:
         for fd in list(self.names):
             self._close(fd)
+
+
+def _set(done: asyncio.Future[int], rc: int) -> None:
+    if not done.done():
+        done.set_result(rc)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

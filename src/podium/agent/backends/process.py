@@ -67,7 +67,7 @@ class ProcessBackend(Backend):
         return dataclasses.replace(attempt, command=tuple(spec["command"])), env
 
     def fence(self, keeper: FenceKeeper, handle: Handle, task_id: str, token: int) -> dict[str, Any]:
-        keeper.add(int(handle.ref), task_id, token)  # its process group
+        keeper.add(int(handle.ref), task_id, token, handle.state.run.identity)  # its process group
         return {"pid": int(handle.ref)}
 
     def unfence(self, keeper: FenceKeeper, handle: Handle) -> None:
