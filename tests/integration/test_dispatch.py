@@ -85,6 +85,9 @@ async def test_finished_tasks_past_the_retention_are_pruned_with_their_history(s
     async with store.pool.acquire() as c:
         left = {r["id"] for r in await c.fetch("SELECT id FROM tasks")}
         assert await c.fetchval("SELECT count(*) FROM task_events WHERE task_id = $1", old) == 0
+        # and only its: the history of the tasks kept is all there
+        assert await c.fetchval("SELECT count(*) FROM task_events WHERE task_id = $1", fresh) == 2
+        assert await c.fetchval("SELECT count(*) FROM task_events WHERE task_id = $1", live) == 1
     assert left == {fresh, live}
 
 

@@ -1486,8 +1486,7 @@ class Store:
         """Delete up to `limit` tasks that ended more than `older_than` seconds ago, with their
         attempts, events and logs."""
         async with self._conn() as conn:
-            status = await conn.execute(self.q["prune_finished"], older_than, limit)
-        return int(status.split()[-1])
+            return int(await conn.fetchval(self.q["prune_finished"], older_than, limit))
 
     async def lost_tasks(self, limit: int) -> list[TaskFactsRow]:
         async with self._conn() as conn:

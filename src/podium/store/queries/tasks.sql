@@ -532,10 +532,18 @@ LIMIT $1
 
 -- prune_finished --
 -- (never a task whose sandbox still holds capacity: its attempt is what releases it, once proven gone)
-DELETE FROM tasks WHERE id IN (
-    SELECT id FROM tasks t WHERE t.finished_at < now() - make_interval(secs => $1)
-      AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = t.id AND NOT a.released)
-    LIMIT $2)
+-- Its attempts and output go by their keys' cascades; its events have no key (migration 0016) and go
+-- here, in the same statement. The count of tasks deleted.
+WITH gone AS (
+    DELETE FROM tasks WHERE id IN (
+        SELECT id FROM tasks t WHERE t.finished_at < now() - make_interval(secs => $1)
+          AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = t.id AND NOT a.released)
+        LIMIT $2)
+    RETURNING id
+), events AS (
+    DELETE FROM task_events e USING gone WHERE e.task_id = gone.id
+)
+SELECT count(*) FROM gone
 
 -- latest_named_spec --
 SELECT * FROM named_specs WHERE name = $1 ORDER BY revision DESC LIMIT 1
