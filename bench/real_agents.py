@@ -303,6 +303,11 @@ def summary(r: dict) -> str:  # type: ignore[type-arg]
         lines.append(f"  and the bench's own client (not in the total): {r['client_cpu_ms_per_task']} ms per task")
     if "commands_cpu_ms_per_task" in r:
         lines.append(f"  and the commands themselves, reaped by the agents (not in the total): {r['commands_cpu_ms_per_task']} ms per task")
+        # the same `true` every time: what it costs moves with the machine's speed as the rest does, so
+        # two builds measured minutes apart compare by these ratios better than by milliseconds
+        if (cmd := r["commands_cpu_ms_per_task"]) and "cpu_ms_per_task" in r:
+            lines.append("  per task, in commands' CPU (a yardstick of this run's machine speed): "
+                         + ", ".join(f"{k} {v / cmd:.3f}" for k, v in r["cpu_ms_per_task"].items()))
     for stage, v in r.get("stages_ms", {}).items():
         lines.append(f"    {stage}: p50 {v['p50']} / p90 {v['p90']} ms")
     return "\n".join(lines)
