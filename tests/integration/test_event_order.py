@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import asyncpg
+import pytest
 
+from podium.api import events
 from podium.api.events import EventHub, Filters, cursor_of_row
 from podium.spec import TaskSpec
 from podium.store import Store
@@ -160,5 +163,53 @@ async def test_a_client_is_given_what_one_read_found_in_one_batch(store: Store) 
         assert sorted(r.task_id for r in batch) == sorted(r.id for r, _created in rows)
         assert {(r.from_state, r.state) for r in batch} == {(None, "queued")}
         await batches.aclose()
+    finally:
+        hub.close()
+
+
+async def test_after_a_busy_read_the_hub_waits_for_more_commits_and_after_a_quiet_one_it_does_not(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that found many events (a busy fleet) is followed by a pause before the next read, so
+    that one read takes what several commits wrote; a read that found few is not: one task at a time,
+    its next event is read as soon as it is committed."""
+    monkeypatch.setattr(events, "COALESCE", 2.0)  # long enough to see, whatever the machine's speed
+    ui = UiStore(store)
+    hub = EventHub(store, ui)
+    tid = await submit(store)
+    try:
+        await hub.ensure_started()
+        stream = hub.follow_batches(None, Filters(tid, None, None, {"task"}).match, {})
+        seen: list[Any] = []
+
+        async def collect() -> None:
+            async for batch in stream:
+                seen.extend(r for r in batch or () if r.actor == "test")  # not the submission's own
+
+        reader = asyncio.ensure_future(collect())
+        async with asyncio.timeout(30):
+            while hub.clients < 1:
+                await asyncio.sleep(0.01)
+
+        async def commit(n: int) -> float:
+            """`n` events of the task in one commit; how long until the client had them."""
+            want = len(seen) + n
+            t0 = time.monotonic()
+            async with store.pool.acquire() as c:
+                await c.execute("INSERT INTO task_events (task_id, to_state, actor) "
+                                "SELECT $1, 'queued', 'test' FROM generate_series(1, $2)", tid, n)  # fmt: skip
+            async with asyncio.timeout(30):
+                while len(seen) < want:
+                    await asyncio.sleep(0.01)
+            return time.monotonic() - t0
+
+        await commit(events.BUSY_READ + 4)  # a busy read
+        pauses = hub.pauses
+        assert await commit(1) >= 2.0 and hub.pauses == pauses + 1  # read only after the pause
+        await commit(1)  # (that read found one event: a quiet one)
+        assert hub.pauses == pauses + 1, "a read after a quiet one waited"
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
     finally:
         hub.close()
