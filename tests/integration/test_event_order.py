@@ -205,9 +205,12 @@ async def test_after_a_busy_read_the_hub_waits_for_more_commits_and_after_a_quie
 
         await commit(events.BUSY_READ + 4)  # a busy read
         pauses = hub.pauses
-        assert await commit(1) >= 2.0 and hub.pauses == pauses + 1  # read only after the pause
+        # read only after the pause (more than one if a wake that brought nothing came first: on a
+        # shared server another database's open transaction can hold events back, and the hub looks again)
+        assert await commit(1) >= 2.0 and hub.pauses > pauses
+        pauses = hub.pauses
         await commit(1)  # (that read found one event: a quiet one)
-        assert hub.pauses == pauses + 1, "a read after a quiet one waited"
+        assert hub.pauses == pauses, "a read after a quiet one waited"
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
