@@ -130,13 +130,24 @@ def pidfs_inode(pid: int) -> int | None:
         os.close(fd)
 
 
+def pidfd_identity(pidfd: int) -> str | None:
+    """`identity` of the process a pidfd names, from the pidfd itself; None without pidfs."""
+    return f"i{os.fstat(pidfd).st_ino}" if pidfs() else None
+
+
 def identity(pid: int) -> str:
     """What names the process `pid` for good, as the keeper's `add` carries it: `i<inode>` (pidfs), or
     its start time (clock ticks since boot; 0 if it is not there)."""
     if pidfs():
-        ino = pidfs_inode(pid)
-        if ino is not None:
-            return f"i{ino}"
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            fd = None
+        if fd is not None:
+            try:
+                return pidfd_identity(fd) or str(start_time(pid) or 0)
+            finally:
+                os.close(fd)
     return str(start_time(pid) or 0)
 
 

@@ -155,8 +155,7 @@ class ProcessRun:
 
             threading.Thread(target=wait, name=f"wait-{proc.pid}", daemon=True).start()
             return
-        if fence.pidfs():
-            self.identity = f"i{os.fstat(pidfd).st_ino}"
+        self.identity = fence.pidfd_identity(pidfd)
         later = loop.call_later(QUIET_START, pipes.watch)
 
         def exited() -> None:
