@@ -16,7 +16,7 @@ oldest generation was collected again whenever those had grown it by a quarter: 
 each collection a walk of every stream's objects (~230 ms). The server of the simulated 5,000-node
 fleet spent 31-34 s of its 84-91 s of CPU in the collector. A young generation of YOUNG objects lets
 those die young (a young collection then takes a few milliseconds, and comes that much more rarely):
-9.2-9.8 s of 66-70 s.
+9.2-9.8 s of 65-70 s.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 
 # Container objects allocated (net of those freed) between two young collections; Python's default
-# is 700. 50,000 shortened the collector's total further (5.6 s in the run above) but each young
+# is 700. 50,000 shortened the collector's total further (5.6 s in one run) but each young
 # collection then held the event loop ~33 ms, against ~5 ms at this size.
 YOUNG = 10_000
 
