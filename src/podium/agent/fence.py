@@ -130,24 +130,22 @@ def pidfs_inode(pid: int) -> int | None:
         os.close(fd)
 
 
+def _pidfs_name(inode: int) -> str:
+    return f"i{inode}"
+
+
 def pidfd_identity(pidfd: int) -> str | None:
     """`identity` of the process a pidfd names, from the pidfd itself; None without pidfs."""
-    return f"i{os.fstat(pidfd).st_ino}" if pidfs() else None
+    return _pidfs_name(os.fstat(pidfd).st_ino) if pidfs() else None
 
 
 def identity(pid: int) -> str:
     """What names the process `pid` for good, as the keeper's `add` carries it: `i<inode>` (pidfs), or
     its start time (clock ticks since boot; 0 if it is not there)."""
     if pidfs():
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            fd = None
-        if fd is not None:
-            try:
-                return pidfd_identity(fd) or str(start_time(pid) or 0)
-            finally:
-                os.close(fd)
+        ino = pidfs_inode(pid)
+        if ino is not None:
+            return _pidfs_name(ino)
     return str(start_time(pid) or 0)
 
 
