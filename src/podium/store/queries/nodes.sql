@@ -69,11 +69,14 @@ RETURNING handover_until
 SELECT fencing_token FROM attempts WHERE node_id = $1 AND state = 'assigned' AND delivered_at IS NULL
 
 -- handover_due --
--- Attempts whose old instance's fence deadline has passed and that are still where it left them.
+-- Attempts whose old instance's fence deadline has passed and that are still where it left them: the
+-- nodes handing over first (migration 0017's index), then the live tasks of each by its own index
+-- (OFFSET 0 keeps the planner from reading every live task to join them instead).
 SELECT t.id, t.state, t.fencing_token, t.attempts, t.max_attempts, t.requeue_on_node_loss, t.node_id
-FROM nodes n JOIN tasks t ON t.node_id = n.id AND t.fencing_token = ANY(n.handover_tokens)
-WHERE cardinality(n.handover_tokens) > 0 AND n.handover_until <= now()
-  AND t.state IN ('assigned', 'provisioning', 'running', 'cancelling')
+FROM nodes n CROSS JOIN LATERAL (
+    SELECT id, state, fencing_token, attempts, max_attempts, requeue_on_node_loss, node_id FROM tasks
+    WHERE tasks.node_id = n.id AND tasks.state IN ('assigned', 'provisioning', 'running', 'cancelling') OFFSET 0) t
+WHERE cardinality(n.handover_tokens) > 0 AND n.handover_until <= now() AND t.fencing_token = ANY(n.handover_tokens)
 LIMIT $1
 
 -- handover_done --
@@ -180,10 +183,14 @@ RETURNING id, pg_notify('podium_dispatch', '')
 
 -- drain_overdue --
 -- Tasks still on a draining node whose drain deadline has passed: the watchdog applies the
--- node-loss policy to them. A task already being cancelled is left to the cancel's own grace.
+-- node-loss policy to them. A task already being cancelled is left to the cancel's own grace. The
+-- draining nodes first (migration 0017's index), then the live tasks of each by its own index (OFFSET
+-- 0 keeps the planner from reading every live task to join them instead).
 SELECT t.id, t.state, t.fencing_token, t.attempts, t.max_attempts, t.requeue_on_node_loss, t.cancel_reason,
        t.node_id
-FROM nodes n JOIN tasks t ON t.node_id = n.id AND t.state IN ('assigned', 'provisioning', 'running')
+FROM nodes n CROSS JOIN LATERAL (
+    SELECT id, state, fencing_token, attempts, max_attempts, requeue_on_node_loss, cancel_reason, node_id FROM tasks
+    WHERE tasks.node_id = n.id AND tasks.state IN ('assigned', 'provisioning', 'running') OFFSET 0) t
 WHERE n.draining AND n.drain_deadline <= now()
 LIMIT $1
 

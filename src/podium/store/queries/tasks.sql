@@ -505,9 +505,9 @@ WHERE state = 'assigned' AND accept_deadline < now()
 LIMIT $1
 
 -- watch_timeouts --
+-- Running tasks past their timeout, read by when it is up (migration 0017's index): only those.
 SELECT id, state, fencing_token FROM tasks
-WHERE state = 'running' AND timeout_seconds IS NOT NULL
-  AND started_at + make_interval(secs => timeout_seconds) < now()
+WHERE state = 'running' AND timeout_seconds IS NOT NULL AND podium_timeout_at(started_at, timeout_seconds) < now()
 LIMIT $1
 
 -- watch_cancel_grace --
@@ -517,7 +517,10 @@ LIMIT $2
 
 -- watch_lost --
 -- Tasks whose node is offline, whose lease has run out, or that claim to be on a node with no lease
--- of any kind.
+-- of any kind. Each of the three is found through its own index (migration 0017): the offline nodes,
+-- then their live tasks; the leases run out; the rows with no lease. Reading every live task to find
+-- them cost a sweep time in proportion to all the work running, every second. The rows found are
+-- then read by their key, one at a time (OFFSET 0 keeps the planner from joining them any other way).
 SELECT t.id, t.state, t.fencing_token, t.attempts, t.max_attempts, t.requeue_on_node_loss,
        CASE WHEN t.node_id IS NULL OR t.fencing_token IS NULL THEN 'no_lease'
             -- a removed node is offline too; the sweep may get to its tasks before the removal's
@@ -525,7 +528,22 @@ SELECT t.id, t.state, t.fencing_token, t.attempts, t.max_attempts, t.requeue_on_
             WHEN n.revoked_at IS NOT NULL THEN 'revoked'
             WHEN n.health = 'offline' THEN 'offline'
             ELSE 'lease' END AS why
-FROM tasks t LEFT JOIN nodes n ON n.id = t.node_id
+FROM unnest(ARRAY(
+        (SELECT l.id FROM nodes o JOIN tasks l ON l.node_id = o.id
+         WHERE o.health = 'offline' AND l.state IN ('assigned', 'provisioning', 'running') LIMIT $1)
+        UNION
+        (SELECT id FROM tasks
+         WHERE state IN ('assigned', 'provisioning', 'running') AND lease_expires_at IS NOT NULL
+           AND lease_expires_at < now() LIMIT $1)
+        UNION
+        (SELECT id FROM tasks
+         WHERE state IN ('assigned', 'provisioning', 'running') AND (node_id IS NULL OR fencing_token IS NULL)
+         LIMIT $1))) AS due(id)
+CROSS JOIN LATERAL (
+    SELECT id, state, fencing_token, attempts, max_attempts, requeue_on_node_loss, node_id, lease_expires_at
+    FROM tasks WHERE tasks.id = due.id OFFSET 0) t
+LEFT JOIN nodes n ON n.id = t.node_id
+-- the same question again on the row read here: the answer is the row's, whatever the lookups saw
 WHERE t.state IN ('assigned', 'provisioning', 'running')
   AND (t.node_id IS NULL OR t.fencing_token IS NULL OR n.health = 'offline' OR t.lease_expires_at < now())
 LIMIT $1
