@@ -404,6 +404,9 @@ FROM (
            (SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state = 'assigned' LIMIT $1) x)::int AS in_flight,
            COALESCE(o.nodes, '{}') AS operation_nodes, COALESCE(o.counts, '{}') AS operations
     FROM (SELECT array_agg(node_id) AS nodes, array_agg(n) AS counts FROM {{operations: attempts}}) o
+    -- a subquery of its own (OFFSET 0): pulled up into the join, the window's count was run twice,
+    -- once for the column and once for the join's condition (~1.5 ms a pass at 1,600 assignments)
+    OFFSET 0
 ) f
 LEFT JOIN nodes c ON ($1 = 0 OR f.in_flight < $1) AND ($2::xid8 IS NULL OR c.changed_xid >= $2::xid8)
 LEFT JOIN nodes n ON n.id = c.id AND ($2::xid8 IS NULL OR n.facts_xid >= $2::xid8)
