@@ -606,6 +606,7 @@ def test_public_surface() -> None:
             "BINPACK",
             "POLICIES",
             "SPREAD",
+            "Derived",
             "NodeSnapshot",
             "NodeVerdict",
             "Placement",

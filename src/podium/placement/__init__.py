@@ -13,7 +13,7 @@ See README.md in this folder for the pipeline and which file holds which step.
 """
 
 from .filters import placeable_at_most
-from .index import Placer
+from .index import Derived, Placer
 from .model import (
     BINPACK,
     POLICIES,
@@ -30,6 +30,7 @@ from .select import explain, select_node
 __all__ = [
     "BINPACK",
     "POLICIES",
+    "Derived",
     "SPREAD",
     "NodeSnapshot",
     "NodeVerdict",

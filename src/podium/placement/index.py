@@ -67,22 +67,31 @@ ShapeKey = tuple[str | None, str | None, str, int, frozenset[tuple[str, str]], f
 #: A rank key: (rank, node id, node). Ids are unique, so two keys never compare their nodes.
 Key = tuple[float, str, "_Node"]  # (sort score, node id, the node)
 
+#: What a placer derives from one snapshot alone: (the snapshot, its free amounts, its utilisation,
+#: its group key). A snapshot never changes, so while a node's snapshot is the same object these are
+#: the same: a caller that keeps snapshots between ticks keeps these beside them (`Placer`'s
+#: `derived`), and a tick's placer computes them only for the nodes whose snapshot is new.
+Derived = tuple[NodeSnapshot, Free, float, GroupKey]
+
 
 class _Node:
     """_Node is the placer's running view of one connected, not offline node."""
 
     __slots__ = ("snap", "free", "util", "key", "structures", "group")
 
-    def __init__(self, snap: NodeSnapshot, policy: str, group: int) -> None:
+    def __init__(self, snap: NodeSnapshot, policy: str, group: int, free: Free, util: float) -> None:
         self.structures: list[_Ranked] = []  # every structure that holds this node, to move it in
         self.group = group
-        self.set(snap, policy)
+        self.snap = snap
+        self.free = free
+        self.util = util
+        self.key: Key = (rank_of(util, policy), snap.id, self)
 
     def set(self, snap: NodeSnapshot, policy: str) -> None:
         self.snap = snap
         self.free = free_of(snap)
         self.util = utilisation(snap)
-        self.key: Key = (rank_of(self.util, policy), snap.id, self)
+        self.key = (rank_of(self.util, policy), snap.id, self)
 
 
 def _bounds(block: list[Key]) -> list[float]:
@@ -236,7 +245,11 @@ class Placer:
 
     It gives exactly the same answers as calling `select_node` against the snapshots updated after
     each placement (`NodeSnapshot.reserving`), at a fraction of the cost: see the module docstring.
-    A Placer is for one tick; build a new one from fresh snapshots for the next.
+    A Placer is for one tick; build a new one from fresh snapshots for the next. `derived`, kept by
+    the caller from tick to tick, holds what earlier placers derived from each node's snapshot
+    (`Derived`): read where the snapshot is the very same object, filled in for the rest. Building
+    over 5,000 nodes spent half its time deriving them again, each tick, for the nodes that had not
+    changed (docs/benchmarks.md, twenty-third session).
     """
 
     def __init__(
@@ -244,6 +257,7 @@ class Placer:
         snapshots: Sequence[NodeSnapshot],
         now: float | None = None,
         policy: str = SPREAD,
+        derived: dict[str, Derived] | None = None,
     ) -> None:
         check_policy(policy)
         self._policy = policy
@@ -259,10 +273,15 @@ class Placer:
                 continue  # offline nodes only ever contribute NO_NODES, the earliest stage
             # (an unreachable node is kept: its group fails the UNREACHABLE static check, which
             # is how a fleet of frozen nodes gets its own sentence)
-            group = number.setdefault(group_key(snap), len(number))
+            d = derived.get(snap.id) if derived is not None else None
+            if d is None or d[0] is not snap:
+                d = (snap, free_of(snap), utilisation(snap), group_key(snap))
+                if derived is not None:
+                    derived[snap.id] = d
+            group = number.setdefault(d[3], len(number))
             if group == len(self._groups):
                 self._groups.append([])
-            node = _Node(snap, policy, group)
+            node = _Node(snap, policy, group, d[1], d[2])
             self._nodes[snap.id] = node
             self._groups[group].append(node)
         self._by_label: dict[str, dict[str | None, set[_Node]]] = {}

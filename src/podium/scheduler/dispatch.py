@@ -39,7 +39,7 @@ from typing import Any
 
 from podium import metrics
 from podium.errors import StoreUnavailable
-from podium.placement import NodeSnapshot, Placer, Requirements, Resources, Unplaceable, placeable_at_most
+from podium.placement import Derived, NodeSnapshot, Placer, Requirements, Resources, Unplaceable, placeable_at_most
 from podium.scheduler.woken import WokenLoop
 from podium.store import Store
 from podium.store.db import DispatchOutcome, PlacementDecision, Submissions
@@ -162,7 +162,9 @@ class DispatchPass:
         # need not index every node for it (over 5,000 nodes, ~5 % of the server's samples).
         if self._placer is None:
             snaps = self.dispatcher._snaps
-            self._placer = Placer([snaps[k] for k in sorted(snaps)], policy=self.dispatcher.policy_name)
+            self._placer = Placer(
+                [snaps[k] for k in sorted(snaps)], policy=self.dispatcher.policy_name, derived=self.dispatcher._derived
+            )
         return self._placer
 
     def want(self, claimed: int, limit: int) -> int:
@@ -227,6 +229,9 @@ class Dispatcher:
         # read that brought it up to date (None: read them all next time).
         self._snaps: dict[str, NodeSnapshot] = {}
         self._gpus: dict[str, tuple[int, ...]] = {}  # each kept node's GPU indexes, in order (its snapshot keeps the free ones)
+        # what the placers derived from each kept snapshot (`Placer`'s `derived`): a node whose
+        # snapshot is the same object next pass is not derived again
+        self._derived: dict[str, Derived] = {}
         self._horizon: int | None = None
         self._nodes_read_all_at = float("-inf")
         self._window_looked_at = float("-inf")  # the last pass that looked at the whole window
@@ -365,6 +370,7 @@ class Dispatcher:
         if self._horizon is None:
             self._snaps = {}
             self._gpus = {}
+            self._derived = {}
             self._nodes_read_all_at = asyncio.get_running_loop().time()
         for row in changed:
             if row.connected and row.revoked_at is None:
@@ -373,6 +379,7 @@ class Dispatcher:
             else:
                 self._snaps.pop(row.id, None)
                 self._gpus.pop(row.id, None)
+                self._derived.pop(row.id, None)
         for r in room:
             snap = self._snaps.get(r.room_node)
             if snap is not None:
