@@ -45,15 +45,28 @@ async def node_row(store: Store, node_id: str) -> Any:
         return await c.fetchrow("SELECT * FROM nodes WHERE id = $1", node_id)
 
 
+async def running_on(store: Store, node_id: str, n: int, **spec: Any) -> list[tuple[uuid.UUID, int]]:
+    """`n` new tasks placed on the node `node_id` (the one placement picks: the caller sees to it)
+    and taken through `provisioning` to `running` as that node would report them: (id, fencing
+    token) each."""
+    from podium.states import TaskState as S
+
+    ids = [await submit(store, **spec) for _ in range(n)]
+    await place(store)
+    out = []
+    for tid in ids:
+        t = await store.get_task(tid)
+        assert t.node_id == node_id and t.fencing_token is not None
+        for a, b in ((S.ASSIGNED, S.PROVISIONING), (S.PROVISIONING, S.RUNNING)):
+            assert await store.transition_task(tid, a, b, actor=f"node:{node_id}", fencing_token=t.fencing_token,
+                                               node_id=node_id)  # fmt: skip
+        out.append((tid, t.fencing_token))
+    return out
+
+
 async def running_on_n1(store: Store, **spec: Any) -> tuple[uuid.UUID, int]:
     """A task placed on a new node "n1" and taken through `provisioning` to `running` as that node
     would report them: its id and fencing token."""
-    from podium.states import TaskState as S
-
     await add_node(store, "n1")
-    tid = await submit(store, **spec)
-    await place(store)
-    tok = (await store.get_task(tid)).fencing_token
-    for a, b in ((S.ASSIGNED, S.PROVISIONING), (S.PROVISIONING, S.RUNNING)):
-        assert await store.transition_task(tid, a, b, actor="node:n1", fencing_token=tok, node_id="n1")
+    [(tid, tok)] = await running_on(store, "n1", 1, **spec)
     return tid, tok

@@ -5,13 +5,11 @@ is still found, with its reason."""
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
-from podium.states import TaskState as S
 from podium.store import Store
 from podium.store.queries import queries
-from tests.integration.helpers import add_node, place, submit
+from tests.integration.helpers import add_node, place, running_on, submit
 
 # the sweep's statements that look at live tasks, with their parameters (the limit)
 SWEEP = {"watch_lost": (100,), "watch_timeouts": (100,), "drain_overdue": (100,), "handover_due": (100,)}
@@ -43,25 +41,10 @@ async def reads(store: Store) -> dict[str, int]:
     return out
 
 
-async def running(store: Store, node_id: str, n: int, **spec: Any) -> list[tuple[uuid.UUID, int]]:
-    """`n` tasks placed on `node_id` and reported `running` by it: (id, fencing token) each."""
-    ids = [await submit(store, **spec) for _ in range(n)]
-    await place(store)
-    out = []
-    for tid in ids:
-        t = await store.get_task(tid)
-        assert t.node_id == node_id and t.fencing_token is not None
-        for a, b in ((S.ASSIGNED, S.PROVISIONING), (S.PROVISIONING, S.RUNNING)):
-            assert await store.transition_task(tid, a, b, actor=f"node:{node_id}", fencing_token=t.fencing_token,
-                                               node_id=node_id)  # fmt: skip
-        out.append((tid, t.fencing_token))
-    return out
-
-
 async def test_a_sweep_with_nothing_due_reads_no_live_task(store: Store) -> None:
     await add_node(store, "n1", slots=40)
-    await running(store, "n1", 30)  # no timeout: no lease once running
-    await running(store, "n1", 5, timeout=3600)  # a timeout an hour away
+    await running_on(store, "n1", 30)  # no timeout: no lease once running
+    await running_on(store, "n1", 5, timeout=3600)  # a timeout an hour away
     await submit(store)
     await place(store)  # one more assigned: a lease 5 minutes away, an accept deadline 15 s away
     assert await reads(store) == dict.fromkeys(SWEEP, 0)
@@ -73,7 +56,7 @@ async def test_a_sweep_with_nothing_due_reads_no_live_task(store: Store) -> None
 
 async def test_what_is_due_is_found_and_only_that(store: Store) -> None:
     await add_node(store, "n1", slots=10)
-    on_n1 = await running(store, "n1", 3)
+    on_n1 = await running_on(store, "n1", 3)
     await add_node(store, "n2", slots=10)
     await add_node(store, "n3", slots=10)
     lapsed, offline, overdue = on_n1
@@ -85,7 +68,7 @@ async def test_what_is_due_is_found_and_only_that(store: Store) -> None:
         await c.execute("UPDATE tasks SET node_id = 'n3' WHERE id = $1", overdue[0])
     await store.set_draining("n2", True)  # the others placed on: not on n2 (or n3, once draining)
     await store.set_draining("n3", True, 0.0)
-    [timing_out] = await running(store, "n1", 1, timeout=1)
+    [timing_out] = await running_on(store, "n1", 1, timeout=1)
     async with store.pool.acquire() as c:
         await c.execute("UPDATE tasks SET started_at = now() - interval '2 seconds' WHERE id = $1", timing_out[0])
     lost = {r.id: r.why for r in await store.lost_tasks(100)}
