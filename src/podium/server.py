@@ -162,7 +162,7 @@ class PodiumServer:
         )  # fmt: skip
 
         scheduler.hold_while_behind(gateway.behind)
-        scheduler.deliver_through(gateway.sessions.keys, gateway.outbox.push)
+        scheduler.deliver_through(gateway.sessions.keys, gateway.outbox.push, gateway)
 
         grpc_server = grpc.aio.server(options=[("grpc.keepalive_time_ms", 20000), ("grpc.so_reuseport", 0)])
         pb_grpc.add_AgentGatewayServicer_to_server(gateway, grpc_server)

@@ -342,3 +342,122 @@ async def test_an_assign_whose_stream_ended_before_its_push_is_handed_back_to_wh
     # the replica that holds the node now takes it from the outbox, as any Assign placed elsewhere
     assert [(r.kind, r.task_id) for r in await store.take_outbox(["n1"])] == [("assign", tid)]
     assert (await store.get_task(tid)).state == "assigned"
+
+
+# --- Assigns sent while their pass commits -----------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def dispatching_before_commit(store: Store) -> AsyncIterator[tuple[Gateway, Any, Session]]:
+    """As the server wires them: the dispatch offers its Assigns to the gateway before its COMMIT,
+    and the gateway's report batcher runs. One node "n1", whose stream is the `Session`."""
+    async with dispatching_here(store) as (gw, sched):
+        sched.deliver_through(gw.sessions.keys, gw.outbox.push, gw)
+        s = Session("n1", 1)
+        gw.sessions["n1"] = s
+        reports = asyncio.create_task(gw.reports.loop())
+        try:
+            yield gw, sched, s
+        finally:
+            reports.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reports
+
+
+def _provisioning(task_id: str, token: int) -> Any:
+    from podium.proto.podium.v1 import agent_pb2 as pb
+
+    return pb.TaskEvent(task_id=task_id, fencing_token=token, kind=pb.TaskEvent.Kind.PROVISIONING)
+
+
+async def test_an_assign_that_needs_nothing_from_the_store_is_on_its_stream_before_its_pass_commits(store: Store) -> None:
+    # (That the offer comes before the COMMIT, inside the pass's transaction, the next test but one
+    # shows: an offer that raises leaves nothing of the pass committed.)
+    await add_node(store, "n1")
+    async with dispatching_before_commit(store) as (gw, sched, s):
+        offer = gw.push_before_commit
+        offers: list[tuple[int, bool]] = []  # (messages on the stream once offered, taken)
+
+        def offered(rows: list[Any]) -> bool:
+            taken = offer(rows)
+            offers.append((s.out.qsize(), taken))
+            return taken
+
+        gw.push_before_commit = offered  # type: ignore[method-assign]
+        tid = await submit(store)
+        out = await sched.dispatch_once()
+        assert out.pushed and [t for t, _n, _tok in out.assigned] == [tid]
+        assert offers == [(1, True)], "the offer queued the Assign on its stream"
+        assert [a.task_id for a in sent(s, "assign")] == [str(tid)], "sent once: not pushed again after the commit"
+
+        # one whose secret must be read first is declined, and goes the old way: after the commit,
+        # through the delivery loop (none runs here)
+        await gw.outbox.security.set_secret("db", b"hunter2", "test")
+        secret = await submit(store, command=["echo", "secret"], secrets=[{"name": "db", "env": "DB"}])
+        out = await sched.dispatch_once()
+        assert not out.pushed and [t for t, _n, _tok in out.assigned] == [secret]
+        assert offers[1:] == [(0, False)] and sent(s, "assign") == []
+        async for _ in _delivering(gw):
+            got = await _eventually(lambda: _sent_async(s, "assign"), what="the Assign with its secret")
+        assert [a.task_id for a in got] == [str(secret)]
+
+
+async def test_a_report_of_an_assign_sent_before_its_commit_waits_until_the_commit_is_known(store: Store) -> None:
+    await add_node(store, "n1")
+    async with dispatching_before_commit(store) as (gw, _sched, s):
+        tid = await submit(store)
+        held, other = 4242, 4243  # neither is an attempt of the task: both are refused once decided
+        gw.reports.hold([held])
+        await gw.reports.enqueue(s, _provisioning(str(tid), held))
+        await gw.reports.enqueue(s, _provisioning(str(tid), other))
+        # (no turn of the loop between: the batcher has not taken the other one yet)
+        assert [p.event.fencing_token for p in s.events] == [other], "the held one was queued for a decision"
+
+        async def told_to_stop() -> set[int]:
+            told.update(c.fencing_token for c in sent(s, "cancel") if c.reason == "stale attempt")
+            return told
+
+        told: set[int] = set()
+        await _eventually(told_to_stop, what="the other attempt's Cancel")
+        await asyncio.sleep(0.2)  # time for a wrong decision on the held one, which must not come
+        assert await told_to_stop() == {other}
+        gw.reports.release([held])
+        await _eventually(lambda: _both(told_to_stop, {held, other}), what="the held attempt's Cancel")
+
+
+async def _both(read: Any, want: set[int]) -> bool:
+    return await read() == want
+
+
+async def test_a_pass_that_fails_after_sending_its_assigns_commits_nothing_and_their_node_is_told_to_stop_them(
+    store: Store,
+) -> None:
+    await add_node(store, "n1")
+    async with dispatching_before_commit(store) as (gw, sched, s):
+        offer = gw.push_before_commit
+        tokens: list[int] = []
+
+        def offered_then_failed(rows: list[Any]) -> bool:
+            assert offer(rows)
+            tokens.extend(r.fencing_token for r in rows)
+            raise RuntimeError("the pass failed after its Assigns were sent")
+
+        gw.push_before_commit = offered_then_failed  # type: ignore[method-assign]
+        tid = await submit(store)
+        with pytest.raises(RuntimeError, match="after its Assigns were sent"):
+            await sched.dispatch_once()
+        [assign] = sent(s, "assign")
+        assert (assign.task_id, assign.fencing_token) == (str(tid), tokens[0])
+        t = await store.get_task(tid)
+        assert (t.state, t.node_id, t.fencing_token, t.attempts) == ("queued", None, None, 0)
+        # the node accepts the Assign it was sent: the attempt does not exist, so nothing is recorded
+        # and the node is told to stop it (it starts nothing before an Accepted, which never comes)
+        await gw.reports.enqueue(s, _provisioning(str(tid), tokens[0]))
+
+        async def told() -> list[Any]:
+            return [m for m in sent(s, "cancel") if m.fencing_token == tokens[0]]
+
+        [cancel] = await _eventually(told, what="the Cancel of the attempt that was never committed")
+        assert cancel.reason == "stale attempt"
+        assert sent(s, "accepted") == []
+        assert (await store.get_task(tid)).state == "queued"

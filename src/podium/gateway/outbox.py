@@ -85,22 +85,33 @@ class Outbox:
         otherwise the next delivery sends them, in order. Not many: building hundreds of Assigns here
         would hold the dispatcher's next pass, where the delivery loop builds them while that pass
         waits on the database."""
-        if not self._pushed and len(rows) <= PUSH_NOW_MAX:
-            now: list[tuple[Session, OutboxRow, dict[str, Any]]] = []
-            for r in rows:
-                s = self.sessions.get(r.node_id)
-                if s is None or r.kind != "assign" or r.spec is None:
-                    break  # a stream that ended (its Assign handed back), or not an Assign: the loop's
-                spec = json.loads(r.spec)
-                if self.security.needs_store(spec):
-                    break
-                now.append((s, r, spec))
-            else:
-                for s, r, spec in now:
-                    self._assign(s, r, spec, [], [])
-                return
+        now = self.sendable_now(rows)
+        if now is not None:
+            self.send_now(now)
+            return
         self._pushed.extend(rows)
         self._wake.set()
+
+    def sendable_now(self, rows: list[OutboxRow]) -> list[tuple[Session, OutboxRow, dict[str, Any]]] | None:
+        """The rows with their streams and specs if every one may be queued on its stream now: not
+        many, nothing pushed earlier still waiting (their order), Assigns all, to streams this server
+        holds, none needing the store (a secret, a registry login). None if not."""
+        if self._pushed or len(rows) > PUSH_NOW_MAX:
+            return None
+        now: list[tuple[Session, OutboxRow, dict[str, Any]]] = []
+        for r in rows:
+            s = self.sessions.get(r.node_id)
+            if s is None or r.kind != "assign" or r.spec is None:
+                return None  # a stream that ended (its Assign handed back), or not an Assign: the loop's
+            spec = json.loads(r.spec)
+            if self.security.needs_store(spec):
+                return None
+            now.append((s, r, spec))
+        return now
+
+    def send_now(self, now: list[tuple[Session, OutboxRow, dict[str, Any]]]) -> None:
+        for s, r, spec in now:
+            self._assign(s, r, spec, [], [])
 
     def due(self, node_id: str) -> None:
         """Take this node's outbox at the next take (if this replica holds its stream)."""

@@ -76,6 +76,10 @@ class ReportBatcher:
         self._events_ready = asyncio.Event()
         self.backlog = 0  # node reports received and not yet applied (admission reads it)
         self._lag = 0.0  # age of the oldest report in the last batch, when it was committed
+        # Attempts whose Assign went out while the dispatch that wrote them was committing
+        # (`Gateway.push_before_commit`), by fencing token: their reports wait here, in arrival order,
+        # until that commit is known (`hold`).
+        self._held: dict[int, list[tuple[Session, pb.TaskEvent]]] = {}
 
     def drop(self, s: Session) -> None:
         """A stream ended: what it reported and was not applied yet goes with it (a reconnecting node
@@ -95,18 +99,40 @@ class ReportBatcher:
         self.backlog += n
         metrics.NODE_REPORT_BACKLOG.inc(n)
 
+    def hold(self, tokens: list[int]) -> None:
+        """Hold the reports of these attempts until `release`, which queues them for the next group
+        commit in the order they came. The dispatch that wrote the attempts releases them once its
+        commit is known, committed or not: a `provisioning` decided before that would find no such
+        attempt (a task stored by the same pass is not even visible), and be refused as a stale one,
+        its node told to stop an assignment that is about to be real."""
+        for t in tokens:
+            self._held.setdefault(t, [])
+
+    def release(self, tokens: list[int]) -> None:
+        for t in tokens:
+            for s, ev in self._held.pop(t, ()):
+                if self.sessions.get(s.node_id) is s:  # a stream that ended takes its reports with it
+                    self._queue(s, ev)
+
     async def enqueue(self, s: Session, ev: pb.TaskEvent) -> None:
         """Queue a report for the next group commit, and go on reading the stream (its heartbeats
         must not wait behind its reports). A node that reports faster than the store takes it is
         slowed by gRPC flow control: its reader waits while its backlog is full."""
+        held = self._held.get(ev.fencing_token) if self._held else None
+        if held is not None:
+            held.append((s, ev))
+            return
+        while len(s.events) >= SESSION_BACKLOG:
+            s.room.clear()
+            await s.room.wait()
+        self._queue(s, ev)
+
+    def _queue(self, s: Session, ev: pb.TaskEvent) -> None:
         try:
             task_id = uuid.UUID(ev.task_id)
         except ValueError:
             log.warning("node %s sent an event for a malformed task id %r", s.node_id, ev.task_id)
             return
-        while len(s.events) >= SESSION_BACKLOG:
-            s.room.clear()
-            await s.room.wait()
         s.events.append(Pending(ev, task_id, _KIND.get(ev.kind, ""), received=asyncio.get_running_loop().time()))
         self._backlog_add(1)
         self._event_sessions.setdefault(s, None)

@@ -35,6 +35,7 @@ from podium.protocol import fence_after, handover_after, take_batch
 from podium.scheduler.apply import Applier
 from podium.security.service import Security
 from podium.store import Store
+from podium.store.rows import OutboxRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,31 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         now = time.monotonic()
         ages = [0.0 if s.writing_since is None else now - s.writing_since for s in self.sessions.values()]
         return max(self.reports.behind(), streams_behind(ages))
+
+    def push_before_commit(self, rows: list[OutboxRow]) -> bool:
+        """A dispatch's Assigns for streams held here, given before its COMMIT is sent: queued on their
+        streams now, so an Assign travels to its node while the commit is flushed, not after it. False
+        when they are not sent (the push after the commit sends them, as before). Whatever it
+        answers, even by raising, the dispatch calls `commit_known` with the same rows once its
+        commit is known.
+
+        Safe before the commit because a node starts nothing before its `Accepted`, which only a
+        recorded `provisioning` earns, and a `provisioning` is decided only once the dispatch's
+        commit is known (`ReportBatcher.hold`): if the dispatch is not committed, the attempt does
+        not exist, and the node is told to stop it as a stale one. Only Assigns that carry nothing
+        from the store go this way (`Outbox.sendable_now`): no secret reaches a node for an
+        assignment that may never be."""
+        now = self.outbox.sendable_now(rows)
+        if now is None:
+            return False
+        self.reports.hold([r.fencing_token for r in rows])
+        self.outbox.send_now(now)
+        return True
+
+    def commit_known(self, rows: list[OutboxRow]) -> None:
+        """The dispatch that offered these rows to `push_before_commit` has committed, or failed: the
+        reports held for them are decided from now on."""
+        self.reports.release([r.fencing_token for r in rows])
 
     def tasks(self) -> dict[str, Callable[[], Awaitable[None]]]:
         return {

@@ -35,7 +35,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Protocol
 
 from podium import metrics
 from podium.errors import StoreUnavailable
@@ -204,6 +204,15 @@ class DispatchPass:
         return placed, unplaced
 
 
+class EarlyPush(Protocol):
+    """Where a dispatch's Assigns may go before its COMMIT (`Gateway`): `push_before_commit` sends them
+    if it may (True), and `commit_known` is told, with the same rows, once the commit is known."""
+
+    def push_before_commit(self, rows: list[OutboxRow]) -> bool: ...
+
+    def commit_known(self, rows: list[OutboxRow]) -> None: ...
+
+
 def _nowhere(rows: list[OutboxRow]) -> None:
     raise AssertionError("Assigns marked delivered with no outbox to push them: streams_here needs push")
 
@@ -224,6 +233,8 @@ class Dispatcher:
         # With none (a scheduler without a gateway) every node is told by NOTIFY podium_node.
         self.streams_here: Callable[[], Collection[str]] = tuple
         self.push: Callable[[list[OutboxRow]], None] = _nowhere
+        # offered the same Assigns before the COMMIT is sent (`Gateway.push_before_commit`)
+        self.early: EarlyPush | None = None
         self.loop = WokenLoop("dispatch", store, "podium_dispatch", timing.tick, self._pass)
         # What placement knows of the connected nodes between ticks, and the snapshot horizon of the
         # read that brought it up to date (None: read them all next time).
@@ -335,6 +346,14 @@ class Dispatcher:
         # reason (a new one says only that it waits for the scheduler; a requeued one, why it was).
         whole = now - self._window_looked_at >= self.timing.tick
         handed, self._handed = self._handed, []
+        early = self.early
+        offered: list[OutboxRow] = []
+
+        def before_commit(rows: list[OutboxRow]) -> bool:
+            assert early is not None
+            offered.extend(rows)  # told `commit_known` however the offer ends, by raising too
+            return early.push_before_commit(rows)
+
         try:
             outcome = await self.store.dispatch(
                 claim_limit=self.timing.claim_limit,
@@ -347,15 +366,21 @@ class Dispatcher:
                 reconcile_seconds=self.timing.reconcile,
                 deliver_here=self.streams_here(),
                 submissions=[sub for sub, _fut in handed],
+                before_commit=before_commit if early is not None else None,
             )
         except BaseException as e:
             self._answer_handed(handed, e)
             raise
+        finally:
+            # the commit is known, whichever way: the reports of Assigns sent before it may be decided
+            if offered:
+                assert early is not None
+                early.commit_known(offered)
         try:
             # The Assigns first: the gateway queues a few on their streams in this call (when they
             # need no secret read), so the streams' writers run before the submissions' handlers,
             # whose HTTP answers are not on the way to any task's start.
-            if outcome.delivered:
+            if outcome.delivered and not outcome.pushed:
                 self.push(outcome.delivered)
         finally:
             self._answer_handed(handed, outcome.submitted)  # stored, whatever befalls the push

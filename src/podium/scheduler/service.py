@@ -20,7 +20,7 @@ from podium.errors import Contention, PreconditionFailed
 from podium.placement import NodeSnapshot, NodeVerdict, Resources, explain
 from podium.scheduler import policy
 from podium.scheduler.apply import Applier, facts
-from podium.scheduler.dispatch import Dispatcher, node_snapshot, requirements
+from podium.scheduler.dispatch import Dispatcher, EarlyPush, node_snapshot, requirements
 from podium.scheduler.watchdog import DEFAULT_RETENTION, Watchdog
 from podium.spec import TaskSpec
 from podium.store import Store
@@ -66,12 +66,18 @@ class Scheduler:
         built after the scheduler)."""
         self.dispatcher.behind = behind
 
-    def deliver_through(self, streams_here: Callable[[], Collection[str]], push: Callable[[list[OutboxRow]], None]) -> None:
+    def deliver_through(
+        self, streams_here: Callable[[], Collection[str]], push: Callable[[list[OutboxRow]], None],
+        early: EarlyPush | None = None,
+    ) -> None:  # fmt: skip
         """Assigns for the nodes whose streams this server holds (`streams_here`) are marked delivered
         by the dispatch that places them and handed to `push` (the gateway's outbox) once it commits:
-        no NOTIFY and no outbox take between a placement and its Assign. Other nodes' go by NOTIFY."""
+        no NOTIFY and no outbox take between a placement and its Assign. Other nodes' go by NOTIFY.
+        With `early` (the gateway), they are first offered to it before the COMMIT is sent; what it
+        takes is not pushed again."""
         self.dispatcher.streams_here = streams_here
         self.dispatcher.push = push
+        self.dispatcher.early = early
 
     # ---- running ----------------------------------------------------------------------------------
 

@@ -228,6 +228,9 @@ class DispatchOutcome:
     window_full: bool = False  # nothing claimed: too many assignments wait for their nodes already
     # Assigns marked delivered by this dispatch (their nodes' streams are the caller's): to push now
     delivered: list[OutboxRow] = field(default_factory=list)
+    # `delivered` was taken by the dispatch's `before_commit`, which sent them while the COMMIT was
+    # on its way: the caller pushes nothing of them
+    pushed: bool = False
     # the tasks of each submission given to the pass, stored in its transaction (empty: none were,
     # the window was full and the pass ended before its transaction)
     submitted: list[dict[uuid.UUID, TaskRow]] = field(default_factory=list)
@@ -918,6 +921,7 @@ class Store:
         reconcile_seconds: float = 30.0,
         deliver_here: Collection[str] = (),
         submissions: Sequence[Submissions] = (),
+        before_commit: Callable[[list[OutboxRow]], bool] | None = None,
     ) -> DispatchOutcome:
         """Claim up to `claim_limit` queued tasks, as many as `plan` wants, let it place them, and make
         the result durable in one transaction: reservations, attempts, fencing tokens, leases, events,
@@ -941,6 +945,11 @@ class Store:
         a task submitted to an idle dispatcher is stored and placed in one commit. They are stored
         only with a claim (`DispatchOutcome.submitted`); a full window stores nothing of them.
 
+        `before_commit` is given the `delivered` Assigns once everything is written and before the
+        COMMIT is sent; True means it took them (`DispatchOutcome.pushed`). Whatever it sends travels
+        while the commit does, so it must send nothing a node may act on before the commit is known
+        (see `Gateway.push_before_commit`); if it raises, nothing of the pass is committed.
+
         A pass is six round trips when it places anything (the window, horizon, operations and
         changed nodes in one read, BEGIN, a claim per chunk, the nodes' locks, the reservations and
         assignments in one write, COMMIT): on an idle fleet a task's way to its node is mostly these."""
@@ -948,7 +957,7 @@ class Store:
         try:
             return await self._dispatch(
                 out, claim_limit, assign_window, accept_seconds, lease_seconds, plan, actor, nodes_since,
-                reconcile_seconds, sorted(deliver_here), submissions,
+                reconcile_seconds, sorted(deliver_here), submissions, before_commit,
             )
         except asyncpg.UniqueViolationError as e:
             # Nothing of this batch was written; the next tick places it again on fresh state. Either
@@ -974,6 +983,7 @@ class Store:
         reconcile_seconds: float,
         deliver_here: list[str],
         submissions: Sequence[Submissions],
+        before_commit: Callable[[list[OutboxRow]], bool] | None,
     ) -> DispatchOutcome:
         async with self._conn() as conn:
             # the horizon (whatever commits after it is read again next time), the window, the
@@ -996,9 +1006,10 @@ class Store:
                 # dispatcher is woken for them: this pass claims them, and one that cannot place
                 # them now is woken again by what frees room, as for any queued task
                 out.submitted = [await self._insert_tasks(conn, sub, wake_dispatch=False) for sub in submissions]
-                return await self._claim_and_assign(
-                    conn, out, accept_seconds, lease_seconds, plan, actor, reconcile_seconds, deliver_here
-                )
+                await self._claim_and_assign(conn, out, accept_seconds, lease_seconds, plan, actor, reconcile_seconds, deliver_here)
+                if before_commit is not None and out.delivered:
+                    out.pushed = before_commit(out.delivered)
+                return out
 
     async def _claim_and_assign(
         self,
