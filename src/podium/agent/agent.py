@@ -67,6 +67,11 @@ MAX_PROOFS = 10_000  # release proofs kept for sending again, the oldest go firs
 # the classes a node may report for an end; a stop's class (cancelled, timeout) is the server's to name
 _REPORTED_CLASSES = frozenset({FAILURE_EXIT, FAILURE_OOM, FAILURE_PROVISIONING, FAILURE_INTERNAL})
 SIGKILL_EXIT = 128 + signal.SIGKILL  # a process (or container) that died of SIGKILL, as a shell reports it
+# Seconds an attempt's `running` waits for its end, to go in the same write: the server then records
+# both in one change and one commit (`Change.via`), where a `running` sent alone is committed on its
+# own and the end waits for that commit. A short command (a `true`, a `date`) ends well within it;
+# a longer one's `running` is this much later, or sent with its first output, whichever comes first.
+RUNNING_HOLD = 0.005
 
 
 @dataclass
@@ -124,6 +129,9 @@ class Attempt:
     assigned_at: float = field(default_factory=time.monotonic)
     # set when this agent itself stops the attempt (superseded, shut down): why, in the node's words
     stopped_by: str | None = None
+    # the attempt's `running`, held for RUNNING_HOLD to go with its end, and the timer that sends it
+    held_running: pb.TaskEvent | None = None
+    running_timer: asyncio.TimerHandle | None = None
 
 
 class NodeRemoved(Exception):
@@ -212,9 +220,24 @@ class Agent:
     ) -> None:
         ev = pb.TaskEvent(task_id=a.task_id, fencing_token=a.token, kind=kind, exit_code=exit_code, message=message,
                           failure_class=failure_class, backend_ref=backend_ref)  # fmt: skip
+        if kind == K.RUNNING:
+            a.held_running = ev
+            a.running_timer = asyncio.get_running_loop().call_later(RUNNING_HOLD, self._send_running, a)
+            return
+        self._send_running(a)  # a `running` still held goes first, in the same write
         if kind in _FINAL:
             a.final = ev
             a.phase = "exited"
+        self._send(pb.AgentMessage(event=ev))
+
+    def _send_running(self, a: Attempt) -> None:
+        """Send the attempt's held `running` now (nothing if none is held)."""
+        if a.held_running is None:
+            return
+        if a.running_timer is not None:
+            a.running_timer.cancel()
+            a.running_timer = None
+        ev, a.held_running = a.held_running, None
         self._send(pb.AgentMessage(event=ev))
 
     # ---- connection -----------------------------------------------------------------------------
@@ -737,6 +760,7 @@ class Agent:
         a.seq = seq + 1
         a.offset[stream] = offset + len(data)
         chunk = pb.LogChunk(task_id=a.task_id, fencing_token=a.token, stream=stream, seq=seq, offset=offset, data=data)
+        self._send_running(a)  # the server hears an attempt started before it hears its output
         a.unacked.append(chunk)
         a.unacked_bytes += len(data)
         while a.unacked_bytes > MAX_UNACKED_LOG_BYTES and a.unacked:
