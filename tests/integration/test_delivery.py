@@ -461,3 +461,32 @@ async def test_a_pass_that_fails_after_sending_its_assigns_commits_nothing_and_t
         assert cancel.reason == "stale attempt"
         assert sent(s, "accepted") == []
         assert (await store.get_task(tid)).state == "queued"
+
+
+async def test_an_assign_sent_before_its_commit_on_a_stream_that_ended_meanwhile_is_handed_back(store: Store) -> None:
+    # Sent on a stream that ended while the commit was on its way: it went nowhere, and the node's
+    # next Hello may have been read before the commit. Handed back once committed, as one pushed
+    # after the commit to a stream that had ended.
+    await add_node(store, "n1")
+    async with dispatching_before_commit(store) as (gw, sched, s):
+        offer = gw.push_before_commit
+
+        def offered_then_the_stream_ended(rows: list[Any]) -> bool:
+            taken = offer(rows)
+            del gw.sessions["n1"]
+            return taken
+
+        gw.push_before_commit = offered_then_the_stream_ended  # type: ignore[method-assign]
+        tid = await submit(store)
+        nudges = await store.listen("podium_node")
+        try:
+            out = await sched.dispatch_once()
+            assert out.pushed and [t for t, _n, _tok in out.assigned] == [tid]
+            async for _ in _delivering(gw):
+                assert (await asyncio.wait_for(nudges.get(), 10)).payload == "n1"
+        finally:
+            await nudges.close()
+    assert [a.task_id for a in sent(s, "assign")] == [str(tid)]  # on the stream that ended
+    assert (await _attempt_times(store, tid))["delivered_at"] is None
+    assert [(r.kind, r.task_id) for r in await store.take_outbox(["n1"])] == [("assign", tid)]
+    assert (await store.get_task(tid)).state == "assigned"

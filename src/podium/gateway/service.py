@@ -75,6 +75,8 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             store, self.sessions, timing, take_store=reports_store, security=security, applier=applier
         )
         self.reconciler = Reconciler(store, applier, timing)
+        # the stream each Assign sent before its dispatch's commit went on, until the commit is known
+        self._sent_early: dict[int, Session] = {}
 
     @property
     def report_backlog(self) -> int:
@@ -108,12 +110,21 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             return False
         self.reports.hold([r.fencing_token for r in rows])
         self.outbox.send_now(now)
+        for s, r, _spec in now:
+            self._sent_early[r.fencing_token] = s
         return True
 
-    def commit_known(self, rows: list[OutboxRow]) -> None:
+    def commit_known(self, rows: list[OutboxRow], committed: bool) -> None:
         """The dispatch that offered these rows to `push_before_commit` has committed, or failed: the
-        reports held for them are decided from now on."""
+        reports held for them are decided from now on. A committed Assign whose stream ended while
+        the commit was on its way went nowhere: it goes the way of one pushed after the commit to a
+        stream that ended (`Outbox.push`: handed back to whoever holds the node now, or sent on the
+        node's new stream here)."""
         self.reports.release([r.fencing_token for r in rows])
+        lost = [r for r in rows if (s := self._sent_early.pop(r.fencing_token, None)) is not None
+                and self.sessions.get(r.node_id) is not s]  # fmt: skip
+        if committed and lost:
+            self.outbox.push(lost)
 
     def tasks(self) -> dict[str, Callable[[], Awaitable[None]]]:
         return {

@@ -206,11 +206,12 @@ class DispatchPass:
 
 class EarlyPush(Protocol):
     """Where a dispatch's Assigns may go before its COMMIT (`Gateway`): `push_before_commit` sends them
-    if it may (True), and `commit_known` is told, with the same rows, once the commit is known."""
+    if it may (True), and `commit_known` is told, with the same rows, once the commit is known, and
+    whether it committed."""
 
     def push_before_commit(self, rows: list[OutboxRow]) -> bool: ...
 
-    def commit_known(self, rows: list[OutboxRow]) -> None: ...
+    def commit_known(self, rows: list[OutboxRow], committed: bool) -> None: ...
 
 
 def _nowhere(rows: list[OutboxRow]) -> None:
@@ -348,6 +349,7 @@ class Dispatcher:
         handed, self._handed = self._handed, []
         early = self.early
         offered: list[OutboxRow] = []
+        committed = False
 
         def before_commit(rows: list[OutboxRow]) -> bool:
             assert early is not None
@@ -368,6 +370,7 @@ class Dispatcher:
                 submissions=[sub for sub, _fut in handed],
                 before_commit=before_commit if early is not None else None,
             )
+            committed = True
         except BaseException as e:
             self._answer_handed(handed, e)
             raise
@@ -375,7 +378,7 @@ class Dispatcher:
             # the commit is known, whichever way: the reports of Assigns sent before it may be decided
             if offered:
                 assert early is not None
-                early.commit_known(offered)
+                early.commit_known(offered, committed)
         try:
             # The Assigns first: the gateway queues a few on their streams in this call (when they
             # need no secret read), so the streams' writers run before the submissions' handlers,
