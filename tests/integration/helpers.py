@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from podium.scheduler.service import Scheduler
@@ -70,3 +73,16 @@ async def running_on_n1(store: Store, **spec: Any) -> tuple[uuid.UUID, int]:
     await add_node(store, "n1")
     [(tid, tok)] = await running_on(store, "n1", 1, **spec)
     return tid, tok
+
+
+@contextlib.asynccontextmanager
+async def looping(loop: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    """One of the server's loops (a batcher's, the outbox's) running as a task for the block's length,
+    cancelled and awaited after it."""
+    task = asyncio.create_task(loop)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -25,7 +25,7 @@ from podium.security.secretbox import SecretBox
 from podium.security.service import Security
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, place, scheduler, submit
+from tests.integration.helpers import add_node, looping, place, scheduler, submit
 
 
 async def _eventually(cond: Any, timeout: float = 30.0, what: str = "condition") -> Any:
@@ -355,13 +355,8 @@ async def dispatching_before_commit(store: Store) -> AsyncIterator[tuple[Gateway
         sched.deliver_through(gw.sessions.keys, gw.outbox.push, gw)
         s = Session("n1", 1)
         gw.sessions["n1"] = s
-        reports = asyncio.create_task(gw.reports.loop())
-        try:
+        async with looping(gw.reports.loop()):
             yield gw, sched, s
-        finally:
-            reports.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reports
 
 
 def _provisioning(task_id: str, token: int) -> Any:
