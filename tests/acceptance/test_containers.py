@@ -197,6 +197,46 @@ def test_a_retry_after_the_agent_is_killed_runs_the_old_digest_and_no_container_
     assert containers(engine, first_id) == []
 
 
+def test_an_agent_whose_engine_answers_only_after_it_started_removes_what_an_earlier_instance_left_then(
+    cluster: Cluster, engine: Engine, registry: RegistryServer, tmp_path: Any
+) -> None:
+    # An engine slow to come up (or too busy to answer at once) when the agent starts: what the
+    # agent's killed predecessor left is removed, and proved removed, once the engine answers.
+    if not engine.url.startswith("unix://"):
+        pytest.skip("the engine is reached over TCP: its address cannot be made to appear later")
+    srv = cluster.server()
+    api = cluster.api
+    login(srv, registry)
+    first = container_agent(cluster, engine, "box")
+    node = first.node_id()
+    api.wait_node("box", 60, connected=True)
+    repo = registry.unique_repo()
+    registry.push(repo, "1", busybox_image("left behind"))
+    tid = api.submit(backend="container", image=f"{registry.host}/{repo}:1", command=["sleep", "600"], max_attempts=1)["id"]
+    api.wait_state(tid, "running", 120)
+    (left,) = containers(engine, node, running=True)
+    first.kill()
+    wait_for(lambda: containers(engine, node, running=True) == [], 30, what="the fence to kill the container")
+    assert exists(engine, left.id), "the fence kills a container; removing it is the agent's"
+
+    # the agent comes back, its engine's address not there yet: nothing can be listed or removed
+    late = tmp_path / "late-engine.sock"
+    mark = len(first.output())  # the restarted agent logs to the same file, after this
+    again = cluster.agent("box", extra_args=["--backend", "container", "--container-host", f"unix://{late}"])
+
+    def said(line: str) -> bool:
+        return line in again.output()[mark:]
+
+    wait_for(lambda: said("backend container: unavailable") and said("connected to"), 60,
+             what="the restarted agent to start without an engine and connect")  # fmt: skip
+    assert exists(engine, left.id)
+    # the engine answers at that address now
+    late.symlink_to(engine.url.removeprefix("unix://"))
+    wait_for(lambda: not exists(engine, left.id), 60, what="the agent to remove what its predecessor left")
+    wait_for(lambda: api.task(tid)["attempt_list"][-1]["released"], 60, what="the removal proved, the capacity freed")
+    assert containers(engine, node) == []
+
+
 def test_cancel_and_timeout_remove_the_container(cluster: Cluster, engine: Engine, registry: RegistryServer) -> None:
     srv = cluster.server()
     api = cluster.api

@@ -193,6 +193,9 @@ class Agent:
         self._rehello = asyncio.Event()  # the backends on offer changed: say Hello again
         self._look_again = asyncio.Event()  # fingerprint now (an image was just pulled)
         self._proofs: deque[tuple[float, pb.ReleaseProof]] = deque(maxlen=MAX_PROOFS)
+        # the backends whose leftovers from earlier instances were listed (and removed): once each,
+        # at start or, for a backend that did not answer then, when it first does
+        self._recovered: set[str] = set()
 
     # ---- ground truth ------------------------------------------------------------------------
 
@@ -339,6 +342,10 @@ class Agent:
             self._look_again.clear()
             try:
                 availability, artifacts = await self._fingerprint()
+                # a backend that did not answer at start (an engine slow to come up, or busy) has
+                # had nothing of an earlier instance removed yet: now that it answers, before it is
+                # offered again
+                await self._recover()
             except Exception:  # never let one bad look end the looking
                 log.exception("fingerprinting the backends failed")
                 continue
@@ -353,13 +360,14 @@ class Agent:
         re-attached: the server learns from this agent's Hello that it no longer holds those
         attempts and applies the node-loss policy (docs/decisions.md)."""
         for kind, backend in self.backends.items():
-            if not self.fingerprints.get(kind, Fingerprint(kind, False)).available:
+            if kind in self._recovered or not self.fingerprints.get(kind, Fingerprint(kind, False)).available:
                 continue
             try:
                 found = await asyncio.wait_for(backend.recover(), FINGERPRINT_TIMEOUT)
-            except Exception as e:
+            except Exception as e:  # listed again at the next look at the backends
                 log.warning("backend %s: cannot list what an earlier agent left (%s)", kind, e)
                 continue
+            self._recovered.add(kind)
             for r in found:
                 if r.instance == self.instance_id:
                     continue
