@@ -485,3 +485,103 @@ async def test_an_assign_sent_before_its_commit_on_a_stream_that_ended_meanwhile
     assert (await _attempt_times(store, tid))["delivered_at"] is None
     assert [(r.kind, r.task_id) for r in await store.take_outbox(["n1"])] == [("assign", tid)]
     assert (await store.get_task(tid)).state == "assigned"
+
+
+# --- acceptances made by the pass that sent their Assigns ---------------------------------------------
+
+
+def _answering(gw: Gateway, s: Session) -> list[int]:
+    """The node on `s` answers each Assign sent before its pass's COMMIT with its `provisioning`, as
+    an agent does, while that pass is still open: the tokens it answered."""
+    offer = gw.push_before_commit
+    answered: list[int] = []
+
+    def offered(rows: list[Any]) -> bool:
+        taken = offer(rows)
+        for r in rows:
+            answered.append(r.fencing_token)
+            asyncio.get_running_loop().create_task(gw.reports.enqueue(s, _provisioning(str(r.task_id), r.fencing_token)))
+        return taken
+
+    gw.push_before_commit = offered  # type: ignore[method-assign]
+    return answered
+
+
+async def _event_transactions(store: Store, tid: uuid.UUID) -> dict[str, int]:
+    """The transaction that wrote each of the task's events, by the state it moved to."""
+    async with store.pool.acquire() as c:
+        rows = await c.fetch("SELECT to_state, xmin::text::bigint AS tx FROM task_events WHERE task_id = $1", tid)
+    return {r["to_state"]: r["tx"] for r in rows}
+
+
+async def test_an_acceptance_that_comes_while_its_pass_is_open_is_committed_with_the_assignment_then_answered(
+    store: Store,
+) -> None:
+    await add_node(store, "n1")
+    async with dispatching_here(store) as (gw, sched):
+        # as the server wires them, but with no report batcher running: only the pass can make it
+        sched.deliver_through(gw.sessions.keys, gw.outbox.push, gw)
+        s = gw.sessions["n1"] = Session("n1", 1)
+        answered = _answering(gw, s)
+        accept = gw.accept_in_pass
+        before_commit: list[int] = []  # messages on the node's stream when the pass took its acceptance
+
+        async def taken(rows: list[Any]) -> Any:
+            changes = await accept(rows)
+            before_commit.append(s.out.qsize())
+            return changes
+
+        gw.accept_in_pass = taken  # type: ignore[method-assign]
+        tid = await submit(store)
+        out = await sched.dispatch_once()
+        assert [t for t, _n, _tok in out.assigned] == [tid] and out.accepted == answered
+        assert before_commit == [1], "the Assign alone: no Accepted before the commit"
+        t = await store.get_task(tid)
+        assert (t.state, t.fencing_token) == ("provisioning", answered[0])
+        tx = await _event_transactions(store, tid)
+        assert tx["assigned"] == tx["provisioning"], "the assignment and its acceptance are one commit"
+        [acc] = sent(s, "accepted")
+        assert (acc.task_id, acc.fencing_token) == (str(tid), answered[0])
+        assert gw.reports.backlog == 0 and not s.events, "nothing left for a group commit to decide"
+
+
+async def test_an_acceptance_taken_by_a_pass_that_then_fails_is_refused_as_stale_and_never_accepted(store: Store) -> None:
+    await add_node(store, "n1")
+    async with dispatching_before_commit(store) as (gw, sched, s):
+        answered = _answering(gw, s)
+        made = store._accept_in_pass
+
+        async def made_then_failed(conn: Any, changes: Any) -> list[int]:
+            assert await made(conn, changes) == answered, "made in the pass, not committed yet"
+            raise RuntimeError("the pass failed after making the acceptance")
+
+        store._accept_in_pass = made_then_failed  # type: ignore[method-assign]
+        tid = await submit(store)
+        with pytest.raises(RuntimeError, match="after making the acceptance"):
+            await sched.dispatch_once()
+        t = await store.get_task(tid)
+        assert (t.state, t.node_id, t.fencing_token, t.attempts) == ("queued", None, None, 0)
+
+        async def told() -> list[Any]:
+            return [m for m in sent(s, "cancel") if m.fencing_token == answered[0]]
+
+        # the acceptance goes back to the group commits, which find no such attempt
+        [cancel] = await _eventually(told, what="the Cancel of the attempt that was never committed")
+        assert cancel.reason == "stale attempt"
+        assert sent(s, "accepted") == []
+
+
+async def test_a_pass_does_not_wait_for_acceptances_while_other_reports_wait_for_a_group_commit(store: Store) -> None:
+    await add_node(store, "n1")
+    async with dispatching_here(store) as (gw, sched):
+        sched.deliver_through(gw.sessions.keys, gw.outbox.push, gw)
+        s = gw.sessions["n1"] = Session("n1", 1)
+        answered = _answering(gw, s)
+        await gw.reports.enqueue(s, _provisioning(str(uuid.uuid4()), 4242))  # another attempt's report, queued
+        tid = await submit(store)
+        out = await sched.dispatch_once()
+        assert [t for t, _n, _tok in out.assigned] == [tid] and out.accepted == []
+        assert (await store.get_task(tid)).state == "assigned"
+        # its acceptance waits for the next group commit, behind the other report, as before
+        assert [p.event.fencing_token for p in s.events] == [4242, *answered]
+        assert sent(s, "accepted") == []

@@ -16,17 +16,24 @@ task's lone `running` whose Assign this stream carried (the task provisioning on
 this token; its lease needs the task's timeout, which the stream kept from that Assign): a short
 command's end, which waits for its `running` to be committed, is committed that much sooner. What a
 row does not confirm is decided again on a read, as every other report is.
+
+An acceptance of an Assign sent before its dispatch's COMMIT (its reports are held until that commit
+is known) may not come here at all: while the gateway has nothing else waiting for a group commit,
+that dispatch waits a few milliseconds for it and makes it in its own transaction
+(`acceptances_in_pass`), so that the assignment and its acceptance are one commit and the node's
+`Accepted` follows it. Nothing changes for the node: it is told only once the commit is known.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
 import math
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from podium import metrics, protocol
 from podium.errors import StoreUnavailable
@@ -47,6 +54,8 @@ PERSIST_FOR = 30.0  # seconds a node's report is retried against an unavailable 
 EVENT_BATCH = 1000  # node reports applied in one transaction (one commit) at most
 EVENT_TRIES = 5  # a report whose task keeps moving between read and write is given up after this
 SESSION_BACKLOG = 4096  # reports one stream may have waiting before its reader stops reading
+# the most Assigns of one dispatch whose acceptances it waits for and makes itself (`acceptances_in_pass`)
+ACCEPT_IN_PASS_MAX = 4
 _KIND = {v: k for k, v in pb.TaskEvent.Kind.items()}
 
 
@@ -80,6 +89,10 @@ class ReportBatcher:
         # (`Gateway.push_before_commit`), by fencing token: their reports wait here, in arrival order,
         # until that commit is known (`hold`).
         self._held: dict[int, list[tuple[Session, pb.TaskEvent]]] = {}
+        # set when any report arrives while a dispatch waits for its acceptances (`acceptances_in_pass`);
+        # the acceptances it took, by token, until its commit is known
+        self._waiting: set[asyncio.Event] = set()
+        self._taken: dict[int, tuple[Session, Pending]] = {}
 
     def drop(self, s: Session) -> None:
         """A stream ended: what it reported and was not applied yet goes with it (a reconnecting node
@@ -108,11 +121,62 @@ class ReportBatcher:
         for t in tokens:
             self._held.setdefault(t, [])
 
-    def release(self, tokens: list[int]) -> None:
+    def release(self, tokens: list[int], *, accepted: Collection[int] = ()) -> None:
+        """The commit of the dispatch that held these attempts' reports is known. An acceptance that
+        dispatch took and made in its own transaction (`accepted`: committed) is answered now; one it
+        did not make goes back ahead of its attempt's later reports, and all are queued in order."""
         for t in tokens:
+            taken = self._taken.pop(t, None)
+            if taken is not None:
+                s, p = taken
+                if t in accepted:
+                    metrics.NODE_REPORTS.labels("applied").inc()
+                    self._answer(s, p, applied=True)
+                else:
+                    self._held.setdefault(t, []).insert(0, (s, p.event))
             for s, ev in self._held.pop(t, ()):
                 if self.sessions.get(s.node_id) is s:  # a stream that ended takes its reports with it
                     self._queue(s, ev)
+
+    async def acceptances_in_pass(self, tokens: list[int], wait: float) -> list[Change]:
+        """The acceptances of these held attempts (their Assigns went out before their dispatch's
+        COMMIT), for that dispatch to make in its own transaction: an assignment and its acceptance
+        in one commit, where the acceptance was otherwise a commit of its own after it, between the
+        node and its start. Waited for up to `wait` seconds, and only while nothing else waits for
+        a group commit (a busy gateway does not hold a dispatch's transaction open): those that came
+        in time are taken from the held reports, each its attempt's first report and an acceptance.
+        `release` answers them once the commit is known (Accepted only if it committed)."""
+        if self.backlog or len(tokens) > ACCEPT_IN_PASS_MAX or any(t not in self._held for t in tokens):
+            return []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        arrived = asyncio.Event()
+        self._waiting.add(arrived)
+        try:
+            # until each has its first report, or another report waits for a group commit (the
+            # gateway is busy: what came so far is taken, the rest decided after the commit)
+            while not self.backlog and any(not self._held.get(t) for t in tokens) and (left := deadline - loop.time()) > 0:
+                arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await arrived.wait()
+        finally:
+            self._waiting.discard(arrived)
+        changes = []
+        for t in tokens:
+            held = self._held.get(t)
+            if not held or _KIND.get(held[0][1].kind) != protocol.PROVISIONING:
+                continue
+            s, ev = held[0]
+            if self.sessions.get(s.node_id) is not s:
+                continue
+            p = self._pending(s, ev)
+            if p is None:
+                continue
+            del held[0]
+            self._taken[t] = (s, p)
+            changes.append(self._expected_change(s, p))
+        return changes
 
     async def enqueue(self, s: Session, ev: pb.TaskEvent) -> None:
         """Queue a report for the next group commit, and go on reading the stream (its heartbeats
@@ -121,22 +185,34 @@ class ReportBatcher:
         held = self._held.get(ev.fencing_token) if self._held else None
         if held is not None:
             held.append((s, ev))
+            self._arrived()
             return
         while len(s.events) >= SESSION_BACKLOG:
             s.room.clear()
             await s.room.wait()
         self._queue(s, ev)
 
-    def _queue(self, s: Session, ev: pb.TaskEvent) -> None:
+    def _pending(self, s: Session, ev: pb.TaskEvent) -> Pending | None:
         try:
             task_id = uuid.UUID(ev.task_id)
         except ValueError:
             log.warning("node %s sent an event for a malformed task id %r", s.node_id, ev.task_id)
+            return None
+        return Pending(ev, task_id, _KIND.get(ev.kind, ""), received=asyncio.get_running_loop().time())
+
+    def _queue(self, s: Session, ev: pb.TaskEvent) -> None:
+        p = self._pending(s, ev)
+        if p is None:
             return
-        s.events.append(Pending(ev, task_id, _KIND.get(ev.kind, ""), received=asyncio.get_running_loop().time()))
+        s.events.append(p)
         self._backlog_add(1)
         self._event_sessions.setdefault(s, None)
         self._events_ready.set()
+        self._arrived()
+
+    def _arrived(self) -> None:
+        for e in self._waiting:
+            e.set()
 
     async def loop(self) -> None:
         """Apply node reports in batches: every report that arrived while the last batch was being
@@ -238,18 +314,7 @@ class ReportBatcher:
         """Acceptances and `running`s decided on the row each expects (its task assigned to this node
         under this token, or provisioning there), made without reading it. Returns those their rows
         refused, to be decided on a read."""
-        changes = []
-        for s, p in batch:
-            if p.kind == protocol.PROVISIONING:
-                expected = TaskFacts(state=TaskState.ASSIGNED)
-            else:  # a `running` whose Assign this stream carried (`_acceptances`)
-                expected = TaskFacts(state=TaskState.PROVISIONING, timeout=s.timeouts[p.event.fencing_token])
-            step = policy.on_node_event(expected, p.kind, None, self.timing)
-            assert step is not None, f"the policy accepts a {p.kind} of a {expected.state} task"
-            changes.append(change(p.task_id, expected.state, step, actor=f"node:{s.node_id}",
-                                  fencing_token=p.event.fencing_token, node_id=s.node_id,
-                                  backend_ref=p.event.backend_ref))  # fmt: skip
-        results = await self.store.transition_expected(changes)
+        results = await self.store.transition_expected([self._expected_change(s, p) for s, p in batch])
         metrics.NODE_REPORT_BATCH.observe(len(batch))
         refused: list[tuple[Session, Pending]] = []
         for (s, p), done in zip(batch, results, strict=True):
@@ -260,6 +325,18 @@ class ReportBatcher:
             metrics.NODE_REPORTS.labels("applied").inc()
             self._answer(s, p, applied=True)
         return refused
+
+    def _expected_change(self, s: Session, p: Pending) -> Change:
+        """The change a lone acceptance, or a lone `running` whose Assign this stream carried, makes on
+        the row it expects: its task assigned to this node under this token, or provisioning there."""
+        if p.kind == protocol.PROVISIONING:
+            expected = TaskFacts(state=TaskState.ASSIGNED)
+        else:  # a `running` whose Assign this stream carried (`_acceptances`)
+            expected = TaskFacts(state=TaskState.PROVISIONING, timeout=s.timeouts[p.event.fencing_token])
+        step = policy.on_node_event(expected, p.kind, None, self.timing)
+        assert step is not None, f"the policy accepts a {p.kind} of a {expected.state} task"
+        return change(p.task_id, expected.state, step, actor=f"node:{s.node_id}", fencing_token=p.event.fencing_token,
+                      node_id=s.node_id, backend_ref=p.event.backend_ref)  # fmt: skip
 
     async def _apply_read(self, batch: list[tuple[Session, Pending]], logs: list[LogRow]) -> None:
         """Reports decided on their tasks as read under their locks, and made in the same transaction

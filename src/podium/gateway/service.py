@@ -18,7 +18,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 
 import grpc
 
@@ -34,13 +34,17 @@ from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.protocol import fence_after, handover_after, take_batch
 from podium.scheduler.apply import Applier
 from podium.security.service import Security
-from podium.store import Store
+from podium.store import Change, Store
 from podium.store.rows import OutboxRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
 
 MAX_ARTIFACTS = 4096  # image digests one node's inventory may list
+# How long a dispatch that sent its Assigns before its COMMIT waits for their acceptances, to make
+# them in its own transaction (`Gateway.accept_in_pass`): a node that takes longer has its acceptance
+# committed on its own after the dispatch's, as before. Several of one stream's round trips here.
+ACCEPT_IN_PASS_WAIT = 0.005  # seconds
 
 
 class Gateway(pb_grpc.AgentGatewayServicer):
@@ -114,13 +118,20 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             self._sent_early[r.fencing_token] = s
         return True
 
-    def commit_known(self, rows: list[OutboxRow], committed: bool) -> None:
+    async def accept_in_pass(self, rows: list[OutboxRow]) -> list[Change]:
+        """The acceptances the nodes of these Assigns (sent by `push_before_commit`) return while
+        their dispatch waits, for it to make in its own transaction (`ReportBatcher.acceptances_in_pass`):
+        their `Accepted` then follows the one commit of the assignment and its acceptance."""
+        return await self.reports.acceptances_in_pass([r.fencing_token for r in rows], ACCEPT_IN_PASS_WAIT)
+
+    def commit_known(self, rows: list[OutboxRow], committed: bool, accepted: Collection[int] = ()) -> None:
         """The dispatch that offered these rows to `push_before_commit` has committed, or failed: the
-        reports held for them are decided from now on. A committed Assign whose stream ended while
-        the commit was on its way went nowhere: it goes the way of one pushed after the commit to a
-        stream that ended (`Outbox.push`: handed back to whoever holds the node now, or sent on the
-        node's new stream here)."""
-        self.reports.release([r.fencing_token for r in rows])
+        reports held for them are decided from now on, but for the acceptances it made itself
+        (`accepted`, committed), whose nodes are told at once. A committed Assign whose stream ended
+        while the commit was on its way went nowhere: it goes the way of one pushed after the commit
+        to a stream that ended (`Outbox.push`: handed back to whoever holds the node now, or sent on
+        the node's new stream here)."""
+        self.reports.release([r.fencing_token for r in rows], accepted=accepted if committed else ())
         lost = [r for r in rows if (s := self._sent_early.pop(r.fencing_token, None)) is not None
                 and self.sessions.get(r.node_id) is not s]  # fmt: skip
         if committed and lost:

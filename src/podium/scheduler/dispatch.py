@@ -34,14 +34,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from podium import metrics
 from podium.errors import StoreUnavailable
 from podium.placement import Derived, NodeSnapshot, Placer, Requirements, Resources, Unplaceable, placeable_at_most
 from podium.scheduler.woken import WokenLoop
-from podium.store import Store
+from podium.store import Change, Store
 from podium.store.db import DispatchOutcome, PlacementDecision, Submissions
 from podium.store.rows import ClaimedTaskRow, NodeRoomRow, NodeRow, OutboxRow, TaskRow
 from podium.timing import Timing
@@ -206,12 +206,15 @@ class DispatchPass:
 
 class EarlyPush(Protocol):
     """Where a dispatch's Assigns may go before its COMMIT (`Gateway`): `push_before_commit` sends them
-    if it may (True), and `commit_known` is told, with the same rows, once the commit is known, and
-    whether it committed."""
+    if it may (True); `accept_in_pass` then answers with the acceptances their nodes sent meanwhile,
+    for the dispatch to make in its own transaction; and `commit_known` is told, with the same rows,
+    once the commit is known, whether it committed, and which of those acceptances it made."""
 
     def push_before_commit(self, rows: list[OutboxRow]) -> bool: ...
 
-    def commit_known(self, rows: list[OutboxRow], committed: bool) -> None: ...
+    async def accept_in_pass(self, rows: list[OutboxRow]) -> Sequence[Change]: ...
+
+    def commit_known(self, rows: list[OutboxRow], committed: bool, accepted: Collection[int] = ()) -> None: ...
 
 
 def _nowhere(rows: list[OutboxRow]) -> None:
@@ -350,6 +353,7 @@ class Dispatcher:
         early = self.early
         offered: list[OutboxRow] = []
         committed = False
+        accepted: list[int] = []
 
         def before_commit(rows: list[OutboxRow]) -> bool:
             assert early is not None
@@ -369,8 +373,10 @@ class Dispatcher:
                 deliver_here=self.streams_here(),
                 submissions=[sub for sub, _fut in handed],
                 before_commit=before_commit if early is not None else None,
+                accept_before_commit=early.accept_in_pass if early is not None else None,
             )
             committed = True
+            accepted = outcome.accepted
         except BaseException as e:
             self._answer_handed(handed, e)
             raise
@@ -378,7 +384,7 @@ class Dispatcher:
             # the commit is known, whichever way: the reports of Assigns sent before it may be decided
             if offered:
                 assert early is not None
-                early.commit_known(offered, committed)
+                early.commit_known(offered, committed, accepted)
         try:
             # The Assigns first: the gateway queues a few on their streams in this call (when they
             # need no secret read), so the streams' writers run before the submissions' handlers,

@@ -234,6 +234,9 @@ class DispatchOutcome:
     # the tasks of each submission given to the pass, stored in its transaction (empty: none were,
     # the window was full and the pass ended before its transaction)
     submitted: list[dict[uuid.UUID, TaskRow]] = field(default_factory=list)
+    # the fencing tokens whose acceptance (`accept_before_commit`'s changes) this pass made in its
+    # own transaction: recorded once it commits, never before
+    accepted: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -922,6 +925,7 @@ class Store:
         deliver_here: Collection[str] = (),
         submissions: Sequence[Submissions] = (),
         before_commit: Callable[[list[OutboxRow]], bool] | None = None,
+        accept_before_commit: Callable[[list[OutboxRow]], Awaitable[Sequence[Change]]] | None = None,
     ) -> DispatchOutcome:
         """Claim up to `claim_limit` queued tasks, as many as `plan` wants, let it place them, and make
         the result durable in one transaction: reservations, attempts, fencing tokens, leases, events,
@@ -957,7 +961,7 @@ class Store:
         try:
             return await self._dispatch(
                 out, claim_limit, assign_window, accept_seconds, lease_seconds, plan, actor, nodes_since,
-                reconcile_seconds, sorted(deliver_here), submissions, before_commit,
+                reconcile_seconds, sorted(deliver_here), submissions, before_commit, accept_before_commit,
             )
         except asyncpg.UniqueViolationError as e:
             # Nothing of this batch was written; the next tick places it again on fresh state. Either
@@ -984,6 +988,7 @@ class Store:
         deliver_here: list[str],
         submissions: Sequence[Submissions],
         before_commit: Callable[[list[OutboxRow]], bool] | None,
+        accept_before_commit: Callable[[list[OutboxRow]], Awaitable[Sequence[Change]]] | None,
     ) -> DispatchOutcome:
         async with self._conn() as conn:
             # the horizon (whatever commits after it is read again next time), the window, the
@@ -1009,7 +1014,22 @@ class Store:
                 await self._claim_and_assign(conn, out, accept_seconds, lease_seconds, plan, actor, reconcile_seconds, deliver_here)
                 if before_commit is not None and out.delivered:
                     out.pushed = before_commit(out.delivered)
+                    if out.pushed and accept_before_commit is not None:
+                        accepting = await accept_before_commit(out.delivered)
+                        out.accepted = await self._accept_in_pass(conn, accepting)
                 return out
+
+    async def _accept_in_pass(self, conn: _Conn, changes: Sequence[Change]) -> list[int]:
+        """Acceptances of a pass's own assignments, made in its transaction: the fencing tokens made.
+        Their times (`provisioning_at`, the lease's start) are the transaction's, as for every row
+        the pass writes: a few milliseconds before the node's word came."""
+        if not changes:
+            return []
+        if any(c.from_ != TaskState.ASSIGNED or c.to != TaskState.PROVISIONING or c.end_attempt is not None
+               or c.fencing_token is None or c.node_id is None for c in changes):  # fmt: skip
+            raise ValueError("a pass makes only acceptances of its own assignments (assigned → provisioning, by their node)")
+        rows = sorted((c.row() for c in changes), key=lambda r: r[0])
+        return [r["fencing_token"] for r in await conn.fetch(self.q["transition_tasks"], rows)]
 
     async def _claim_and_assign(
         self,
