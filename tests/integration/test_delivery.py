@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import pytest
 
 from podium import reasons
@@ -585,3 +586,82 @@ async def test_a_pass_does_not_wait_for_acceptances_while_other_reports_wait_for
         # its acceptance waits for the next group commit, behind the other report, as before
         assert [p.event.fencing_token for p in s.events] == [4242, *answered]
         assert sent(s, "accepted") == []
+
+
+# --- Assigns sent before their pass's write ---------------------------------------------------------
+
+
+class _Statements(dict[str, str]):
+    """A store's statements, noting in `order` each one's name as it is taken to be run."""
+
+    def __init__(self, q: dict[str, str], order: list[str]) -> None:
+        super().__init__(q)
+        self.order = order
+
+    def __getitem__(self, name: str) -> str:
+        self.order.append(name)
+        return super().__getitem__(name)
+
+
+async def test_a_small_passs_assigns_go_out_before_its_write_with_the_tokens_the_write_then_gives(store: Store) -> None:
+    await add_node(store, "n1")
+    order: list[str] = []
+    async with dispatching_before_commit(store) as (gw, sched, s):
+        store.q = _Statements(store.q, order)
+        offer = gw.push_before_commit
+
+        def offered(rows: list[Any]) -> bool:
+            order.append("offer")
+            return offer(rows)
+
+        gw.push_before_commit = offered  # type: ignore[method-assign]
+        tid = await submit(store)
+        out = await sched.dispatch_once()
+    assert out.pushed and [t for t, _n, _tok in out.assigned] == [tid]
+    steps = [o for o in order if o in ("lock_nodes_drawing_tokens", "offer", "assign_tasks")]
+    assert steps == ["lock_nodes_drawing_tokens", "offer", "assign_tasks"], order
+    [assign] = sent(s, "assign")
+    t = await store.get_task(tid)
+    assert (assign.task_id, assign.fencing_token, assign.attempt) == (str(tid), t.fencing_token, 1)
+    assert (t.state, t.node_id, t.attempts) == ("assigned", "n1", 1)
+    assert json.loads(assign.spec_json)["command"] == ["true"]
+
+
+async def test_an_assign_sent_before_a_write_that_lost_its_node_to_another_scheduler_is_refused_as_stale(
+    store: Store, db_url: str
+) -> None:
+    await add_node(store, "n1", slots=1)
+    async with dispatching_before_commit(store) as (gw, sched, s):
+        answered = _answering(gw, s)
+        tid = await submit(store)
+        other = await asyncpg.connect(db_url)
+        try:
+            # another scheduler holds the node and fills it: the pass places on what it read before
+            # that commits, and waits for the node's lock
+            tx = other.transaction()
+            await tx.start()
+            await other.execute("SELECT id FROM nodes WHERE id = 'n1' FOR NO KEY UPDATE")
+            await other.execute("UPDATE nodes SET res_slots = alloc_slots WHERE id = 'n1'")
+            dispatching = asyncio.create_task(sched.dispatch_once())
+
+            async def waiting_for_the_lock() -> bool:
+                return bool(await store.pool.fetchval("SELECT count(*) FROM pg_locks WHERE NOT granted"))
+
+            await _eventually(waiting_for_the_lock, what="the pass waiting for the node's lock")
+            await tx.commit()
+            out = await dispatching
+        finally:
+            await other.close()
+        assert out.lost_races == 1 and out.assigned == [] and out.accepted == []
+        [assign] = sent(s, "assign")  # sent with the tokens drawn under the lock, before the write
+        assert assign.fencing_token == answered[0]
+        t = await store.get_task(tid)
+        assert (t.state, t.node_id, t.fencing_token, t.attempts) == ("queued", None, None, 0)
+
+        async def told() -> list[Any]:
+            return [m for m in sent(s, "cancel") if m.fencing_token == answered[0]]
+
+        [cancel] = await _eventually(told, what="the Cancel of the attempt that was never written")
+        assert cancel.reason == "stale attempt"
+        assert sent(s, "accepted") == []
+    assert await store.take_outbox(["n1"]) == [], "nothing handed back for an attempt that does not exist"

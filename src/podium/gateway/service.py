@@ -124,17 +124,19 @@ class Gateway(pb_grpc.AgentGatewayServicer):
         their `Accepted` then follows the one commit of the assignment and its acceptance."""
         return await self.reports.acceptances_in_pass([r.fencing_token for r in rows], ACCEPT_IN_PASS_WAIT)
 
-    def commit_known(self, rows: list[OutboxRow], committed: bool, accepted: Collection[int] = ()) -> None:
-        """The dispatch that offered these rows to `push_before_commit` has committed, or failed: the
+    def commit_known(self, rows: list[OutboxRow], committed: Collection[int], accepted: Collection[int] = ()) -> None:
+        """The dispatch that offered these rows to `push_before_commit` has committed, or failed:
+        `committed` are the fencing tokens among them whose attempts it made (none if it failed; a
+        pass that sent its Assigns before its write may have lost a node to another scheduler). The
         reports held for them are decided from now on, but for the acceptances it made itself
-        (`accepted`, committed), whose nodes are told at once. A committed Assign whose stream ended
-        while the commit was on its way went nowhere: it goes the way of one pushed after the commit
-        to a stream that ended (`Outbox.push`: handed back to whoever holds the node now, or sent on
-        the node's new stream here)."""
-        self.reports.release([r.fencing_token for r in rows], accepted=accepted if committed else ())
+        (`accepted`), whose nodes are told at once. A committed Assign whose stream ended while the
+        commit was on its way went nowhere: it goes the way of one pushed after the commit to a stream
+        that ended (`Outbox.push`: handed back to whoever holds the node now, or sent on the node's new
+        stream here)."""
+        self.reports.release([r.fencing_token for r in rows], accepted=[t for t in accepted if t in committed])
         lost = [r for r in rows if (s := self._sent_early.pop(r.fencing_token, None)) is not None
-                and self.sessions.get(r.node_id) is not s]  # fmt: skip
-        if committed and lost:
+                and self.sessions.get(r.node_id) is not s and r.fencing_token in committed]  # fmt: skip
+        if lost:
             self.outbox.push(lost)
 
     def tasks(self) -> dict[str, Callable[[], Awaitable[None]]]:

@@ -208,13 +208,13 @@ class EarlyPush(Protocol):
     """Where a dispatch's Assigns may go before its COMMIT (`Gateway`): `push_before_commit` sends them
     if it may (True); `accept_in_pass` then answers with the acceptances their nodes sent meanwhile,
     for the dispatch to make in its own transaction; and `commit_known` is told, with the same rows,
-    once the commit is known, whether it committed, and which of those acceptances it made."""
+    once the commit is known, which of their attempts it committed and which acceptances it made."""
 
     def push_before_commit(self, rows: list[OutboxRow]) -> bool: ...
 
     async def accept_in_pass(self, rows: list[OutboxRow]) -> Sequence[Change]: ...
 
-    def commit_known(self, rows: list[OutboxRow], committed: bool, accepted: Collection[int] = ()) -> None: ...
+    def commit_known(self, rows: list[OutboxRow], committed: Collection[int], accepted: Collection[int] = ()) -> None: ...
 
 
 def _nowhere(rows: list[OutboxRow]) -> None:
@@ -352,7 +352,7 @@ class Dispatcher:
         handed, self._handed = self._handed, []
         early = self.early
         offered: list[OutboxRow] = []
-        committed = False
+        committed: set[int] = set()  # the offered Assigns' tokens whose attempts the pass committed
         accepted: list[int] = []
 
         def before_commit(rows: list[OutboxRow]) -> bool:
@@ -375,7 +375,7 @@ class Dispatcher:
                 before_commit=before_commit if early is not None else None,
                 accept_before_commit=early.accept_in_pass if early is not None else None,
             )
-            committed = True
+            committed = {token for _t, _n, token in outcome.assigned}
             accepted = outcome.accepted
         except BaseException as e:
             self._answer_handed(handed, e)

@@ -101,6 +101,9 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 DEFAULT_SERIALIZATION_RETRY_LIMIT = 5
 # A node's limit on concurrent provisioning operations (pulls, creates) when its agent does not say.
 DEFAULT_MAX_OPERATIONS = 4
+# The most Assigns a dispatch pass sends before its write (`Store._early_assigns`): as many as the
+# gateway queues on its streams at once (a larger pass's go after its write, as they always did).
+EARLY_ASSIGNS_MAX = 16
 # Backoff before retry n (from 0): a uniformly random wait up to min(CAP, BASE * 2**n). Random, so
 # two writers that collided once do not collide again on the same beat.
 RETRY_BACKOFF_BASE = 0.01
@@ -231,6 +234,8 @@ class DispatchOutcome:
     # `delivered` was taken by the dispatch's `before_commit`, which sent them while the COMMIT was
     # on its way: the caller pushes nothing of them
     pushed: bool = False
+    # `delivered` was offered to `before_commit` before the pass's write (taken or not: not again)
+    offered_before_write: bool = False
     # the tasks of each submission given to the pass, stored in its transaction (empty: none were,
     # the window was full and the pass ended before its transaction)
     submitted: list[dict[uuid.UUID, TaskRow]] = field(default_factory=list)
@@ -952,7 +957,12 @@ class Store:
         `before_commit` is given the `delivered` Assigns once everything is written and before the
         COMMIT is sent; True means it took them (`DispatchOutcome.pushed`). Whatever it sends travels
         while the commit does, so it must send nothing a node may act on before the commit is known
-        (see `Gateway.push_before_commit`); if it raises, nothing of the pass is committed.
+        (see `Gateway.push_before_commit`); if it raises, nothing of the pass is committed. A small
+        pass whose Assigns need nothing the write makes but their fencing tokens (`_early_assigns`)
+        draws those with its nodes' locks and offers its Assigns then, before the write: they travel
+        while it is made. One whose node another scheduler filled first is then not written, and its
+        node, told nothing more, has its report of it refused as a stale attempt's once the commit is
+        known, as for a pass that fails.
 
         A pass is six round trips when it places anything (the window, horizon, operations and
         changed nodes in one read, BEGIN, a claim per chunk, the nodes' locks, the reservations and
@@ -1011,9 +1021,12 @@ class Store:
                 # dispatcher is woken for them: this pass claims them, and one that cannot place
                 # them now is woken again by what frees room, as for any queued task
                 out.submitted = [await self._insert_tasks(conn, sub, wake_dispatch=False) for sub in submissions]
-                await self._claim_and_assign(conn, out, accept_seconds, lease_seconds, plan, actor, reconcile_seconds, deliver_here)
+                await self._claim_and_assign(conn, out, accept_seconds, lease_seconds, plan, actor, reconcile_seconds,
+                                             deliver_here, before_commit)  # fmt: skip
                 if before_commit is not None and out.delivered:
-                    out.pushed = before_commit(out.delivered)
+                    # offered before the write if they could be (`_claim_and_assign`), else now
+                    if not out.offered_before_write:
+                        out.pushed = before_commit(out.delivered)
                     if out.pushed and accept_before_commit is not None:
                         accepting = await accept_before_commit(out.delivered)
                         out.accepted = await self._accept_in_pass(conn, accepting)
@@ -1041,9 +1054,11 @@ class Store:
         actor: str,
         reconcile_seconds: float,
         deliver_here: list[str],
+        before_write: Callable[[list[OutboxRow]], bool] | None = None,
     ) -> DispatchOutcome:
         claim_limit = out.limit
         claimed: list[uuid.UUID] = []
+        claimed_rows: list[ClaimedTaskRow] = []
         placements: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}
         want = min(plan.want(0, claim_limit), claim_limit)
@@ -1051,6 +1066,7 @@ class Store:
             # rows this transaction locked already are not skipped by SKIP LOCKED: name them
             tasks = ClaimedTaskRow.many(await conn.fetch(self.q["claim_queued"], want, claimed))
             claimed.extend(t.id for t in tasks)
+            claimed_rows.extend(tasks)
             placed, waiting = plan.place(tasks)
             placements.extend(placed)
             unplaced.update(waiting)
@@ -1069,11 +1085,24 @@ class Store:
                 acc[3] += p.gpus
                 acc[4] += 1
             ids = sorted(per_node)
-            # its own statement: the assignment's snapshot must begin after these locks are held
-            await conn.execute(self.q["lock_nodes"], ids)
+            early = self._early_assigns(placements, claimed_rows, deliver_here) if before_write is not None else None
+            tokens: dict[uuid.UUID, int] = {}
+            if early is None:
+                # its own statement: the assignment's snapshot must begin after these locks are held
+                await conn.execute(self.q["lock_nodes"], ids)
+            else:
+                drawn = await conn.fetchrow(self.q["lock_nodes_drawing_tokens"], ids, len(early))
+                assert drawn is not None
+                tokens = dict(zip((p.task_id for p in placements), drawn["tokens"], strict=True))
+                assigns = sorted((OutboxRow("assign", p.node_id, p.task_id, tokens[p.task_id], t.attempts + 1, [], t.spec)
+                                  for p, t in early), key=lambda o: (o.node_id, o.fencing_token))  # fmt: skip
+                assert before_write is not None
+                out.offered_before_write = True
+                out.pushed = before_write(assigns)
             got = await conn.fetch(
                 self.q["assign_tasks"],
-                [(p.task_id, p.node_id, ",".join(map(str, p.gpu_indexes)), p.snapshot) for p in placements],
+                [(p.task_id, p.node_id, ",".join(map(str, p.gpu_indexes)), p.snapshot, tokens.get(p.task_id))
+                 for p in placements],
                 accept_seconds,
                 lease_seconds,
                 actor,
@@ -1102,6 +1131,26 @@ class Store:
             status = await conn.execute(self.q["set_queued_reasons"], list(unplaced), list(unplaced.values()))
             out.reasons_written = int(status.rsplit(" ", 1)[-1])
         return out
+
+    @staticmethod
+    def _early_assigns(
+        placements: list[PlacementDecision], claimed: list[ClaimedTaskRow], deliver_here: list[str]
+    ) -> list[tuple[PlacementDecision, ClaimedTaskRow]] | None:
+        """A pass's placements whose Assigns may be sent before its write (the reservations, attempts
+        and events), each with its claimed row: when the pass is small, every placement is on a node
+        whose stream the caller holds, and no Assign needs what only the write knows (GPU indexes
+        claimed, a container image pinned to its digest). None otherwise."""
+        if not placements or len(placements) > EARLY_ASSIGNS_MAX:
+            return None
+        here = set(deliver_here)
+        by_id = {t.id: t for t in claimed}
+        early = []
+        for p in placements:
+            t = by_id[p.task_id]
+            if p.node_id not in here or p.gpu_indexes or t.gpus or t.image_digest is not None:
+                return None
+            early.append((p, t))
+        return early
 
     # ---- nodes ----------------------------------------------------------------------------------
 

@@ -153,6 +153,7 @@ class ClaimedTaskRow(Row):
     reason: str | None
     image_digest: str | None
     avoid: list[str] | None
+    attempts: int = 0  # made so far: the next one is numbered this plus one
 
 
 @dataclass(frozen=True, slots=True)

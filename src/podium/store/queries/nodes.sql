@@ -144,6 +144,13 @@ RETURNING n.id
 -- on overlapping nodes wait for each other instead of deadlocking.
 SELECT id FROM nodes WHERE id = ANY($1::text[]) ORDER BY id FOR NO KEY UPDATE
 
+-- lock_nodes_drawing_tokens --
+-- lock_nodes, and $2 new fencing tokens drawn in the same round trip: a pass that sends its Assigns
+-- before it writes them knows their tokens before its write (`assign_tasks` takes them).
+WITH locked AS (SELECT id FROM nodes WHERE id = ANY($1::text[]) ORDER BY id FOR NO KEY UPDATE)
+SELECT (SELECT count(*) FROM locked) AS locked,
+       ARRAY(SELECT nextval('fencing_tokens') FROM generate_series(1, $2::int)) AS tokens
+
 -- placement_nodes --
 -- Every node placement could use, with the GPU indexes its live attempts hold.
 SELECT n.*, ARRAY(SELECT g.gpu_index FROM gpu_claims g WHERE g.node_id = n.id) AS gpus_in_use

@@ -192,6 +192,7 @@ ORDER BY n.id FOR NO KEY UPDATE
 -- its text: the dispatcher decodes a spec it has not seen before only (the same rows come back at
 -- every look at the whole window).
 SELECT t.id, t.spec::text AS spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
+       t.attempts,
        ARRAY(SELECT DISTINCT a.node_id FROM attempts a
              WHERE a.task_id = t.id AND a.state IN ('revoked', 'lost', 'failed')) AS avoid
 FROM tasks t
@@ -241,14 +242,15 @@ WITH r AS (
     RETURNING n.id
 ), d AS (
     -- the placements as one JSON array of arrays (an array parameter per column cost the client a type
-    -- check and an encoding call per element): task, node, GPU indexes ("0,1"), the node as seen
-    SELECT (v->>0)::uuid AS id, v->>1 AS node_id, v->>2 AS gpu_indexes, v->3 AS snapshot
+    -- check and an encoding call per element): task, node, GPU indexes ("0,1"), the node as seen, and
+    -- the fencing token drawn for it already (`lock_nodes_drawing_tokens`), or null to draw one here
+    SELECT (v->>0)::uuid AS id, v->>1 AS node_id, v->>2 AS gpu_indexes, v->3 AS snapshot, (v->>4)::bigint AS token
     FROM jsonb_array_elements($1::jsonb) AS p(v)
     WHERE v->>1 IN (SELECT id FROM r)
 ), t AS (
     UPDATE tasks SET
         state = 'assigned', reason = NULL, node_id = d.node_id, revision = tasks.revision + 1,
-        fencing_token = nextval('fencing_tokens'), attempts = tasks.attempts + 1,
+        fencing_token = COALESCE(d.token, nextval('fencing_tokens')), attempts = tasks.attempts + 1,
         -- clock_timestamp(), not now(): a transaction that was slow between its claim and this write
         -- must not hand out an assignment with its accept window already spent
         accept_deadline = clock_timestamp() + make_interval(secs => $2),
