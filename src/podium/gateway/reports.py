@@ -125,11 +125,13 @@ class ReportBatcher:
         """The commit of the dispatch that held these attempts' reports is known. An acceptance that
         dispatch took and made in its own transaction (`accepted`: committed) is answered now; one it
         did not make goes back ahead of its attempt's later reports, and all are queued in order."""
+        made = 0
         for t in tokens:
             taken = self._taken.pop(t, None)
             if taken is not None:
                 s, p = taken
                 if t in accepted:
+                    made += 1
                     metrics.NODE_REPORTS.labels("applied").inc()
                     self._answer(s, p, applied=True)
                 else:
@@ -137,6 +139,8 @@ class ReportBatcher:
             for s, ev in self._held.pop(t, ()):
                 if self.sessions.get(s.node_id) is s:  # a stream that ended takes its reports with it
                     self._queue(s, ev)
+        if made:
+            metrics.NODE_REPORT_BATCH.observe(made)  # their dispatch's commit was their group commit
 
     async def acceptances_in_pass(self, tokens: list[int], wait: float) -> list[Change]:
         """The acceptances of these held attempts (their Assigns went out before their dispatch's
