@@ -351,7 +351,9 @@ def test_three_replicas_twenty_agents(cluster: Cluster) -> None:
 # replica stopped between its read and its write. (The nodes it places on were read just before, in
 # the same round trip as the pass's facts, outside the transaction.)
 READS = ("SKIP LOCKED",)
-LOCK_NODES = "Placement takes its nodes' rows in id order"  # the dispatch pass's node locks (lock_nodes)
+# the dispatch pass's node locks (lock_nodes, or lock_nodes_drawing_tokens for a pass that sends its
+# Assigns before its write): both say so
+LOCK_NODES = "Placement takes its nodes' rows in id order"
 GATE = 1.0  # seconds the node rows are held at most for one try (heartbeats wait on them too)
 
 

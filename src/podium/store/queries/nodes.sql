@@ -145,8 +145,9 @@ RETURNING n.id
 SELECT id FROM nodes WHERE id = ANY($1::text[]) ORDER BY id FOR NO KEY UPDATE
 
 -- lock_nodes_drawing_tokens --
--- lock_nodes, and $2 new fencing tokens drawn in the same round trip: a pass that sends its Assigns
--- before it writes them knows their tokens before its write (`assign_tasks` takes them).
+-- Placement takes its nodes' rows in id order, as lock_nodes does, and draws $2 new fencing tokens in
+-- the same round trip: a pass that sends its Assigns before it writes them knows their tokens before
+-- its write (`assign_tasks` takes them).
 WITH locked AS (SELECT id FROM nodes WHERE id = ANY($1::text[]) ORDER BY id FOR NO KEY UPDATE)
 SELECT (SELECT count(*) FROM locked) AS locked,
        ARRAY(SELECT nextval('fencing_tokens') FROM generate_series(1, $2::int)) AS tokens
