@@ -39,23 +39,25 @@ Operator = Annotated[Principal, _needs(Role.OPERATOR)]
 Admin = Annotated[Principal, _needs(Role.ADMIN)]
 
 
-def _store(request: Request) -> Store:
+# Coroutines, though they only read `app.state`: FastAPI runs a plain function dependency in its
+# thread pool, a hop to a worker thread and back for each (three on every submission).
+async def _store(request: Request) -> Store:
     return request.app.state.store
 
 
-def _scheduler(request: Request) -> Scheduler:
+async def _scheduler(request: Request) -> Scheduler:
     return request.app.state.scheduler
 
 
-def _security(request: Request) -> Security:
+async def _security(request: Request) -> Security:
     return request.app.state.security
 
 
-def _admission(request: Request) -> Pressure:
+async def _admission(request: Request) -> Pressure:
     return request.app.state.admission
 
 
-def _event_hub(request: Request) -> EventHub:
+async def _event_hub(request: Request) -> EventHub:
     return request.app.state.event_hub
 
 
