@@ -152,7 +152,10 @@ class PodiumServer:
         # and heartbeats one more of their own, so no backlog of reports ever delays them; the
         # group commits of reports and the outbox takes one more, so no Hello storm delays those
         self.beats_store = await Store.connect(url, min_size=1, max_size=2, serialization_retry_limit=retry_limit)
-        self.reports_store = await Store.connect(url, min_size=2, max_size=3, serialization_retry_limit=retry_limit, keyed=True)
+        # (its statements' generic plans are lookups by key, tests/integration/test_plans.py: planned
+        # once per session, not on every group commit)
+        self.reports_store = await Store.connect(url, min_size=2, max_size=3, serialization_retry_limit=retry_limit, keyed=True,
+                                                 generic_plans=True)  # fmt: skip
         # the gateway applies the policy's decisions on reports through the same applier the loops use,
         # over its own pool
         gateway = Gateway(
