@@ -973,8 +973,9 @@ class Store:
         known, as for a pass that fails.
 
         A pass is six round trips when it places anything (the window, horizon, operations and
-        changed nodes in one read, BEGIN, a claim per chunk, the nodes' locks, the reservations and
-        assignments in one write, COMMIT): on an idle fleet a task's way to its node is mostly these."""
+        changed nodes in one read, BEGIN, a claim per chunk, the nodes' locks (and tokens), the
+        reservations and assignments in one write, COMMIT), seven with acceptances made in it: on an
+        idle fleet a task's way to its node is mostly these."""
         out = DispatchOutcome()
         try:
             return await self._dispatch(
