@@ -508,6 +508,20 @@ def _answering(gw: Gateway, s: Session) -> list[int]:
     return answered
 
 
+async def _unwritten_and_told_stale(store: Store, s: Session, tid: uuid.UUID, token: int) -> None:
+    """The task is still queued with no attempt, and the node its Assign went to is told the attempt
+    is stale once its report is decided, and never told to start it."""
+    t = await store.get_task(tid)
+    assert (t.state, t.node_id, t.fencing_token, t.attempts) == ("queued", None, None, 0)
+
+    async def told() -> list[Any]:
+        return [m for m in sent(s, "cancel") if m.fencing_token == token]
+
+    [cancel] = await _eventually(told, what="the Cancel of the attempt that was never written")
+    assert cancel.reason == "stale attempt"
+    assert sent(s, "accepted") == []
+
+
 async def _event_transactions(store: Store, tid: uuid.UUID) -> dict[str, int]:
     """The transaction that wrote each of the task's events, by the state it moved to."""
     async with store.pool.acquire() as c:
@@ -560,16 +574,8 @@ async def test_an_acceptance_taken_by_a_pass_that_then_fails_is_refused_as_stale
         tid = await submit(store)
         with pytest.raises(RuntimeError, match="after making the acceptance"):
             await sched.dispatch_once()
-        t = await store.get_task(tid)
-        assert (t.state, t.node_id, t.fencing_token, t.attempts) == ("queued", None, None, 0)
-
-        async def told() -> list[Any]:
-            return [m for m in sent(s, "cancel") if m.fencing_token == answered[0]]
-
         # the acceptance goes back to the group commits, which find no such attempt
-        [cancel] = await _eventually(told, what="the Cancel of the attempt that was never committed")
-        assert cancel.reason == "stale attempt"
-        assert sent(s, "accepted") == []
+        await _unwritten_and_told_stale(store, s, tid, answered[0])
 
 
 async def test_a_pass_does_not_wait_for_acceptances_while_other_reports_wait_for_a_group_commit(store: Store) -> None:
@@ -655,13 +661,5 @@ async def test_an_assign_sent_before_a_write_that_lost_its_node_to_another_sched
         assert out.lost_races == 1 and out.assigned == [] and out.accepted == []
         [assign] = sent(s, "assign")  # sent with the tokens drawn under the lock, before the write
         assert assign.fencing_token == answered[0]
-        t = await store.get_task(tid)
-        assert (t.state, t.node_id, t.fencing_token, t.attempts) == ("queued", None, None, 0)
-
-        async def told() -> list[Any]:
-            return [m for m in sent(s, "cancel") if m.fencing_token == answered[0]]
-
-        [cancel] = await _eventually(told, what="the Cancel of the attempt that was never written")
-        assert cancel.reason == "stale attempt"
-        assert sent(s, "accepted") == []
+        await _unwritten_and_told_stale(store, s, tid, answered[0])
     assert await store.take_outbox(["n1"]) == [], "nothing handed back for an attempt that does not exist"
