@@ -4,6 +4,7 @@ started as its own process exactly as an operator would start it, with fast time
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -28,7 +29,40 @@ _BY_DATABASE: dict[str, tuple[str, str]] = {}
 CA_FILES: dict[str, Path] = {}  # API base URL → the CA that signed its certificate
 
 
+PORTS_PER_WORKER = 1000
+_handed = itertools.count()
+
+
+def _port_range() -> range:
+    """The ports this test process hands out: outside the kernel's ephemeral range, a slice for each
+    xdist worker. A port the kernel picks (bind to 0) is one of that range, which every outgoing
+    connection takes its own from: between the pick and the server's bind, one of the suite's many
+    client connections could take it (a server that then died of "address already in use")."""
+    low, high = 32768, 60999
+    with contextlib.suppress(OSError, ValueError):
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    n = int(worker[2:]) if worker[2:].isdigit() else 0
+    below = 10000 + n * PORTS_PER_WORKER
+    if below + PORTS_PER_WORKER <= low:
+        return range(below, below + PORTS_PER_WORKER)
+    above = high + 1 + n * PORTS_PER_WORKER
+    if above + PORTS_PER_WORKER <= 65536:
+        return range(above, above + PORTS_PER_WORKER)
+    return range(0)  # no room outside it: the kernel's pick
+
+
 def free_port() -> int:
+    """A port no one listens on now, from this worker's own range (see `_port_range`)."""
+    ports = _port_range()
+    for _ in range(len(ports)):
+        port = ports[next(_handed) % len(ports)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or still held by a connection that closed: the next one
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
