@@ -68,6 +68,10 @@ class ServerConfig:
 
 
 LISTENER_CONNECTIONS = 5  # connections held for LISTEN (dispatch, gateway, revoked/superseded, events)
+OWN_CONNECTIONS = 7  # the pools of one job each: heartbeats 2, group commits 3, dispatch passes 1, the event hub 1
+# the fewest `--db-connections` that keep its promise: the listeners, those pools, and 2 each for the
+# API's and the node reports' pools
+MIN_DB_CONNECTIONS = LISTENER_CONNECTIONS + OWN_CONNECTIONS + 4
 
 
 class LoopDied(Exception):
@@ -86,6 +90,7 @@ class PodiumServer:
         self.liveness_store: Store | None = None
         self.beats_store: Store | None = None
         self.reports_store: Store | None = None
+        self.hub_store: Store | None = None
         self.dispatch_store: Store | None = None
         self.started = asyncio.Event()
         self.pressure = Pressure()
@@ -126,10 +131,10 @@ class PodiumServer:
         url = await self._database_url()
         retry_limit = self.cfg.serialization_retry_limit
         # The pools' shares of the connection budget: the API two thirds, node reports a third,
-        # heartbeats 2, the group commits 3 and the dispatch passes 1 (their own, so nothing queues
-        # ahead of them).
-        pools = max(9, self.cfg.db_connections - LISTENER_CONNECTIONS)
-        main_max, liveness_max = max(2, (pools - 6) * 2 // 3), max(2, (pools - 6) // 3)
+        # heartbeats 2, the group commits 3, the dispatch passes 1 and the event hub's reads 1 (their
+        # own, so nothing queues ahead of them).
+        pools = max(MIN_DB_CONNECTIONS, self.cfg.db_connections) - LISTENER_CONNECTIONS
+        main_max, liveness_max = max(2, (pools - OWN_CONNECTIONS) * 2 // 3), max(2, (pools - OWN_CONNECTIONS) // 3)
         store = self.store = await Store.connect(url, min_size=2, max_size=main_max, serialization_retry_limit=retry_limit)
         applied = await store.migrate()
         if applied:
@@ -156,6 +161,12 @@ class PodiumServer:
         # once per session, not on every group commit)
         self.reports_store = await Store.connect(url, min_size=2, max_size=3, serialization_retry_limit=retry_limit, keyed=True,
                                                  generic_plans=True)  # fmt: skip
+        # The event hub's one reader reads after every commit that writes events, and PostgreSQL planned
+        # that read anew each time, its plan for the cursor's values estimated cheaper than the generic
+        # one (an index walk from the cursor either way): ~1 ms to plan and 0.1 to run at 400,000 events.
+        # A session of its own that plans it once (tests/integration/test_plans.py).
+        self.hub_store = await Store.connect(url, min_size=1, max_size=1, serialization_retry_limit=retry_limit, keyed=True,
+                                             generic_plans=True)  # fmt: skip
         # the gateway applies the policy's decisions on reports through the same applier the loops use,
         # over its own pool
         gateway = Gateway(
@@ -184,7 +195,7 @@ class PodiumServer:
         await grpc_server.start()
 
         self.pressure = Pressure(max_lag=self.cfg.max_lag or float("inf"), backlog=lambda: gateway.report_backlog)
-        app = create_app(store, scheduler, security, self.pressure)
+        app = create_app(store, scheduler, security, self.pressure, hub_store=self.hub_store)
         tls: dict[str, Any] = {}
         if self.cfg.tls_cert and self.cfg.tls_key:
             tls = {"ssl_certfile": str(self.cfg.tls_cert), "ssl_keyfile": str(self.cfg.tls_key)}
@@ -235,6 +246,7 @@ class PodiumServer:
             await self.beats_store.close()
             await self.reports_store.close()
             await self.dispatch_store.close()
+            await self.hub_store.close()
             await store.close()
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import re
 import uuid
 
+from podium.api.events import EventHub
 from podium.spec import TaskSpec
 from podium.store import Store
 from podium.store.queries import queries
+from podium.store.ui import UiStore
 from tests.integration.helpers import submit
 
 # What the gateway's keyed pool runs (its group commits, log flushes, outbox takes and release
@@ -194,3 +196,38 @@ async def test_a_store_of_generic_plans_plans_a_group_commit_once_per_session(st
             await s.close()
     assert plans["generic"] == (8, 0)
     assert plans["default"][1] == 8, plans["default"]
+
+
+async def test_the_event_hub_reads_on_a_session_that_plans_its_read_once(store: Store, db_url: str) -> None:
+    """The hub reads after every commit that writes events. On a default session PostgreSQL plans that
+    read anew at least five times, and once the stream is long, every time (its plan for the
+    cursor's values estimated cheaper than the generic one, though both walk the stream's index from
+    the cursor): ~1 ms to plan and 0.1 to run at 400,000 events (docs/benchmarks.md, twenty-sixth
+    session). The server's hub reads on a session of its own that plans it once, and that generic
+    plan reads no table whole. The control: a session of the API's pool, where the hub read before."""
+    cursor = await UiStore(store).start_cursor()
+    for _ in range(3):
+        await submit(store)  # three events after the cursor
+    plans: dict[str, tuple[int, int]] = {}
+    for name, generic in (("default", False), ("hub", True)):
+        s = await Store.connect(db_url, min_size=1, max_size=1, keyed=generic, generic_plans=generic)
+        try:
+            hub = EventHub(store, UiStore(store), reads=UiStore(s))
+            for _ in range(8):
+                hub.head, hub._rows, hub._keys = cursor, [], []
+                await hub._read()
+                assert [(r.kind, r.state) for r in hub._rows] == [("task", "queued")] * 3
+            async with s.pool.acquire() as c:
+                row = await c.fetchrow(
+                    "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE strpos(statement, $1) = 1",
+                    queries()["hub_read"][:60],
+                )
+                if generic:  # its generic plan, as the session made it: the stream's indexes walked from the cursor
+                    prepared = await c.prepare(queries()["hub_read"])
+                    plan = [r[0] for r in await c.fetch(f"EXPLAIN EXECUTE {prepared.get_name()}(NULL, NULL, NULL, NULL)")]
+                    assert whole_reads(plan) == [], "\n".join(plan)
+            plans[name] = (row["generic_plans"], row["custom_plans"])
+        finally:
+            await s.close()
+    assert plans["hub"] == (8, 0)
+    assert plans["default"][1] >= 5, plans["default"]

@@ -97,7 +97,11 @@ async def _http(_r: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
 
 
-def create_app(store: Store, scheduler: Scheduler, security: Security, pressure: Pressure | None = None) -> FastAPI:
+def create_app(
+    store: Store, scheduler: Scheduler, security: Security, pressure: Pressure | None = None, *, hub_store: Store | None = None
+) -> FastAPI:
+    """The API over `store`; the event hub's own reads go to `hub_store` when given (`podium.server`
+    gives it a session that plans them once)."""
     app = FastAPI(
         title="Podium",
         version=__version__,
@@ -123,5 +127,5 @@ def create_app(store: Store, scheduler: Scheduler, security: Security, pressure:
 
     for router in ROUTERS:
         app.include_router(router)
-    install_ui(app, store, scheduler, security)  # the event stream, the web UI, /docs
+    install_ui(app, store, scheduler, security, hub_store=hub_store)  # the event stream, the web UI, /docs
     return app

@@ -120,9 +120,12 @@ class Wake:
 
 
 class EventHub:
-    def __init__(self, store: Store, ui: UiStore) -> None:
+    def __init__(self, store: Store, ui: UiStore, *, reads: UiStore | None = None) -> None:
+        """`ui` serves the streams that are behind the hub's memory (many at once); `reads`, when given,
+        the hub's one reader (one statement, run after every commit that writes events)."""
         self.store = store
         self.ui = ui
+        self.reads = reads or ui
         self.start: Cursor | None = None  # the buffer holds every event after this
         self.head: Cursor | None = None  # the last event read
         self._keys: list[tuple[int, int]] = []
@@ -202,7 +205,7 @@ class EventHub:
                         self._wake.set()
                         self._wake_followers(None)
                     if self.start is None:
-                        self.start = self.head = await self.ui.start_cursor()
+                        self.start = self.head = await self.reads.start_cursor()
                         self._started.set()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), SAFETY_POLL)
@@ -228,7 +231,7 @@ class EventHub:
         got = 0
         while True:
             # the rows and whether more are held back behind an open transaction, in one round trip
-            rows, held = await self.ui.hub_read(self.head, PAGE)
+            rows, held = await self.reads.hub_read(self.head, PAGE)
             for r in rows:
                 c = cursor_of_row(r)
                 self._keys.append(_key(c))

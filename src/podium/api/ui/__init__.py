@@ -28,13 +28,13 @@ from podium.store.ui import UiStore
 STATIC = Path(__file__).parent / "static"
 
 
-def install(app: FastAPI, store: Store, scheduler: Scheduler, security: Security) -> None:
+def install(app: FastAPI, store: Store, scheduler: Scheduler, security: Security, *, hub_store: Store | None = None) -> None:
     ui = UiStore(store)
     app.state.store = store
     app.state.scheduler = scheduler
     app.state.ui_store = ui
     app.state.sessions = Sessions(ui, security)
-    app.state.event_hub = events.EventHub(store, ui)
+    app.state.event_hub = events.EventHub(store, ui, reads=None if hub_store is None else UiStore(hub_store))
     app.include_router(events.router())
     app.include_router(docs.router())
     app.include_router(pages.router())
