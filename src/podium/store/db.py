@@ -1120,7 +1120,7 @@ class Store:
                 ids,
                 *([per_node[i][k] for i in ids] for k in range(5)),
             )
-            reserved = {r["reserved"] for r in got}
+            reserved = {r["reserved"] for r in got if r["reserved"] is not None}
             rows = [r for r in got if r["id"] is not None]
             kept = sum(1 for p in placements if p.node_id in reserved)
             # claimed under FOR UPDATE, so every task placed on a reserved node must still have been
