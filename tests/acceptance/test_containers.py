@@ -52,6 +52,14 @@ def containers(engine: Engine, node_id: str, *, running: bool = False) -> list[A
     return engine.client.containers.list(all=not running, filters={"label": f"podium.node={node_id}"})  # type: ignore[attr-defined]
 
 
+def the_running_one(engine: Engine, node_id: str) -> Any:
+    """The one container the engine lists as running for this node, once it lists exactly one (None
+    until then): podman's listing can leave out a running container while it updates its state (a
+    fresh-clone CI run listed none right after the attempt's output had come)."""
+    found = containers(engine, node_id, running=True)
+    return found[0] if len(found) == 1 else None
+
+
 def exists(engine: Engine, cid: str) -> bool:
     try:
         engine.client.api.inspect_container(cid)  # type: ignore[attr-defined]
@@ -172,7 +180,7 @@ def test_a_retry_after_the_agent_is_killed_runs_the_old_digest_and_no_container_
     tid = api.submit(backend="container", image=f"{registry.host}/{repo}:stable", command=["sh", "-c", script])["id"]
     api.wait_state(tid, "running", 120)
     wait_for(lambda: "old image" in stdout_of(api, tid), 60, what="the first attempt's output")
-    (running,) = containers(engine, first_id, running=True)
+    running = wait_for(lambda: the_running_one(engine, first_id), 30, what="the attempt's one container, running")
 
     # the tag moves to another image, then the node running the task dies outright
     new = registry.push(repo, "stable", busybox_image("new image"))
@@ -214,7 +222,7 @@ def test_an_agent_whose_engine_answers_only_after_it_started_removes_what_an_ear
     registry.push(repo, "1", busybox_image("left behind"))
     tid = api.submit(backend="container", image=f"{registry.host}/{repo}:1", command=["sleep", "600"], max_attempts=1)["id"]
     api.wait_state(tid, "running", 120)
-    (left,) = containers(engine, node, running=True)
+    left = wait_for(lambda: the_running_one(engine, node), 30, what="the attempt's one container, running")
     first.kill()
     wait_for(lambda: containers(engine, node, running=True) == [], 30, what="the fence to kill the container")
     assert exists(engine, left.id), "the fence kills a container; removing it is the agent's"
