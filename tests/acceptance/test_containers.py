@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from typing import Any
 
 import docker.errors
@@ -122,8 +123,15 @@ def test_an_image_runs_from_the_registry_with_its_login_pinned_streamed_and_prov
     tid = next(t["id"] for t in api.http.get("/v1/tasks").json() if t["id"] != refused)
     t = api.task(tid)
     assert (t["state"], t["image_digest"]) == ("failed", digest)
-    assert len(t["attempt_list"]) == 1, t["attempt_list"]  # a second attempt: why the first ended
-    (attempt,) = t["attempt_list"]
+    # On a busy machine the engine may fail once to make the sandbox (a pull, a create or a start
+    # refused under load: seen once in a full run, never alone): that attempt ends `provisioning`
+    # and another is made, as the seed says. Any other end before the last is a defect; either way
+    # the ends are printed with the engine's words.
+    ends = [(a["attempt"], a["state"], a["failure_class"], a["reason"], a["failure_detail"]) for a in t["attempt_list"]]
+    assert t["attempt_list"] and all(a["failure_class"] == "provisioning" for a in t["attempt_list"][:-1]), ends
+    if len(ends) > 1:
+        warnings.warn(f"the engine could not make the sandbox before the attempt that ran: {ends[:-1]}", stacklevel=1)
+    attempt = t["attempt_list"][-1]
     assert (attempt["backend_kind"], attempt["failure_class"], attempt["exit_code"]) == ("container", "exit", 3)
     cid = attempt["backend_ref"]
     assert cid
@@ -133,8 +141,8 @@ def test_an_image_runs_from_the_registry_with_its_login_pinned_streamed_and_prov
     assert shown.returncode == 0 and image in shown.stdout and digest in shown.stdout
 
     # the release proof: the container is gone from the engine, the capacity free again
-    wait_for(lambda: api.task(tid)["attempt_list"][0]["released"], 60, what="the release proof")
-    (attempt,) = api.task(tid)["attempt_list"]
+    wait_for(lambda: all(a["released"] for a in api.task(tid)["attempt_list"]), 60, what="the release proofs")
+    attempt = api.task(tid)["attempt_list"][-1]
     assert attempt["release_proof"]["by"] == "node" and attempt["release_proof"]["backend_ref"] == cid
     assert not exists(engine, cid)
     row = node_row(api, "box")
