@@ -596,16 +596,27 @@ def test_replica_killed_and_another_paused_mid_run(cluster: Cluster) -> None:
           f"{sub.retries} submit retries")  # fmt: skip
 
 
+# how long the nodes of the delivery-window test take to say "provisioning": the window it must hit
+ANSWER_DELAY = 0.25
+
+
 def test_assign_delivered_just_before_its_replica_pauses_runs_once(cluster: Cluster) -> None:
     """The sharp form of the pause: the replica holding a node's stream pushes an Assign and stops
-    before it has recorded the node's "provisioning". The agent has the Assign and starts the task; the
-    other replica sees an attempt still `assigned` past its accept deadline. Whatever it does, the
-    task must not run a second time elsewhere while the first process runs."""
+    before it has recorded the node's "provisioning". The agent has the Assign (and may not start it
+    before its `Accepted`); the other replica sees an attempt still `assigned` past its accept
+    deadline. Whatever it does, the task must not run a second time elsewhere while a first process
+    runs.
+
+    The window is made wide on purpose: each node says "provisioning" ANSWER_DELAY after its Assign.
+    A node that answers within a few milliseconds has its acceptance made by the very pass that placed
+    the task (the assignment and its acceptance in one commit), so on a fast machine the window would
+    never be seen at all, and the test would pass without testing anything."""
     url = cluster.db_url
     assert url is not None
     a, b = cluster.server(), cluster.server()
-    x = cluster.agent("x", servers=[a], slots=8)
-    y = cluster.agent("y", servers=[b], slots=8)
+    slow = {"PODIUM_TEST_AGENT_ANSWER_DELAY": str(ANSWER_DELAY)}
+    x = cluster.agent("x", servers=[a], slots=8, extra_env=slow)
+    y = cluster.agent("y", servers=[b], slots=8, extra_env=slow)
     holder = {x.node_id(): a, y.node_id(): b}
     wait_for(lambda: sql_val(url, "SELECT count(*) FROM nodes WHERE connected AND health = 'online'") == 2, 60)
     hold = T.provisioning_deadline + 1.0  # past the accept deadline, short of unreachable/fence/offline
@@ -647,8 +658,7 @@ def test_assign_delivered_just_before_its_replica_pauses_runs_once(cluster: Clus
                 wait_for(lambda tid=tid: sql_val(url, "SELECT state FROM tasks WHERE id = $1", tid) in TERMINAL, 60, interval=0.2)
                 if caught >= 2:
                     break
-    if not caught:
-        pytest.skip("never stopped the replica inside the delivery window (a few ms wide); nothing was tested")
+    assert caught, f"never stopped the replica inside the delivery window ({ANSWER_DELAY:g}s wide) in 8 tries"
     n = sql_val(url, "SELECT count(*) FROM tasks")
     wait_all_ended(url, n, 60, live=[a, b])
     assert_at_most_one_attempt_at_once([x, y])

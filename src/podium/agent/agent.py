@@ -97,6 +97,7 @@ class AgentConfig:
     journal: Path | None = None  # ground truth: what this agent actually started and stopped
     drop_assigns: bool = False  # for fault tests: a node that never accepts
     provision_delay: float = 0.0  # for fault tests: a provisioning step that takes this long
+    answer_delay: float = 0.0  # for fault tests: a node this slow to say "provisioning" to an Assign
     backends: list[str] = field(default_factory=lambda: ["process"])  # "process", "container"
     container_host: str | None = None  # the engine's URL; None: DOCKER_HOST, else the default socket
     # how many provisioning operations (pulls, creates) this node runs at once (seed Capacity.Operations)
@@ -609,10 +610,19 @@ class Agent:
         logins = [RegistryAuth(r.registry, r.username, r.password) for r in asg.registries]
         # Accepted, the start's go-ahead, waits for this: queued in the turn that read the Assign, not
         # in the next one, when the attempt's task first runs
-        self._event(a, K.PROVISIONING)
+        if self.cfg.answer_delay > 0:
+            asyncio.get_running_loop().call_later(self.cfg.answer_delay, self._answer_late, a)
+        else:
+            self._event(a, K.PROVISIONING)
         a.runner = asyncio.get_running_loop().create_task(
             self._run(a, env, list(asg.gpu_indexes), logins), name=f"agent.task.{a.task_id}"
         )
+
+    def _answer_late(self, a: Attempt) -> None:
+        """The `provisioning` a slow node (`answer_delay`) sends at last, unless the attempt ended or
+        was cancelled meanwhile: nothing of an attempt is reported after its end."""
+        if self.attempts.get(a.token) is a and a.final is None and not a.cancel_requested:
+            self._event(a, K.PROVISIONING)
 
     def _on_cancel(self, c: pb.Cancel) -> None:
         a = self.attempts.get(c.fencing_token)

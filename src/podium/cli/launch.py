@@ -171,6 +171,7 @@ def agent(
         # fault-injection knobs for the test suite; named TEST so nobody mistakes them for features
         drop_assigns=os.environ.get("PODIUM_TEST_AGENT_DROP_ASSIGNS") == "1",
         provision_delay=float(os.environ.get("PODIUM_TEST_AGENT_PROVISION_DELAY", "0")),
+        answer_delay=float(os.environ.get("PODIUM_TEST_AGENT_ANSWER_DELAY", "0")),
         backends=backends,
         container_host=container_host or None,
     )
