@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 import uuid
-import warnings
 from typing import Any
 
 import docker.errors
@@ -130,7 +129,8 @@ def test_an_image_runs_from_the_registry_with_its_login_pinned_streamed_and_prov
     ends = [(a["attempt"], a["state"], a["failure_class"], a["reason"], a["failure_detail"]) for a in t["attempt_list"]]
     assert t["attempt_list"] and all(a["failure_class"] == "provisioning" for a in t["attempt_list"][:-1]), ends
     if len(ends) > 1:
-        warnings.warn(f"the engine could not make the sandbox before the attempt that ran: {ends[:-1]}", stacklevel=1)
+        # said, not warned: the suite turns every warning into an error (pyproject's filterwarnings)
+        print(f"\nthe engine could not make the sandbox before the attempt that ran: {ends[:-1]}", file=sys.stderr)
     attempt = t["attempt_list"][-1]
     assert (attempt["backend_kind"], attempt["failure_class"], attempt["exit_code"]) == ("container", "exit", 3)
     cid = attempt["backend_ref"]
