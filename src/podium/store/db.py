@@ -1014,7 +1014,7 @@ class Store:
             # operations and the nodes changed since the last horizon: one read, outside the
             # transaction (it locks nothing, and its one snapshot is what the horizon says it is)
             rows = await conn.fetch(self.q["dispatch_facts"], assign_window or 0, nodes_since)
-            facts = rows[0]
+            facts = next(r for r in rows if r["operation_nodes"] is not None)  # the first row (dispatch_facts)
             out.limit = claim_limit
             if assign_window is not None:
                 out.limit = min(claim_limit, assign_window - facts["in_flight"])
