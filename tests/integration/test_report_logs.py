@@ -2,7 +2,8 @@
 transaction that records the end (`LogFlusher.taken` inside the report batcher's group commit) —
 never after it, and never lost when that transaction cannot be made. Real PostgreSQL; the gateway's
 own batcher and log flusher; a stream stood in for by the gateway's `Session` (what it would write to
-the node is read from its queue)."""
+the node is read from its queue). And the node of an end is locked only to write the end: a dispatch
+pass waiting for the node's lock does not wait for the group commit's read and decisions."""
 
 from __future__ import annotations
 
@@ -120,3 +121,31 @@ async def test_output_whose_end_could_not_be_committed_is_kept_and_stored_with_i
 
 async def state_is(store: Store, tid: uuid.UUID, state: S) -> bool:
     return (await store.get_task(tid)).state == state
+
+
+async def test_a_group_commit_decides_an_end_without_waiting_for_its_nodes_lock(store: Store) -> None:
+    """Another transaction (a dispatch pass placing on "n1") holds the node's row: the batch reads and
+    decides the end all the same, and writes it once the node is free. Taken with the read, the
+    node's lock was held through the read and the decisions, and placements on it waited for them."""
+    tid, tok = await running_on_n1(store)
+    async with store.pool.acquire() as holder, batching(store) as (batcher, _logs, s):
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT id FROM nodes WHERE id = 'n1' FOR NO KEY UPDATE")
+        decided = asyncio.Event()
+        decide = batcher._decide
+
+        def deciding(batch: Any, rows: Any) -> Any:
+            decided.set()
+            return decide(batch, rows)
+
+        batcher._decide = deciding  # type: ignore[method-assign]
+        await batcher.enqueue(s, end(tid, tok))
+        await asyncio.wait_for(decided.wait(), 30)  # while the node is still held
+        assert (await store.get_task(tid)).state == S.RUNNING  # its end waits for the node
+        await tx.rollback()
+        await _eventually(lambda: _succeeded(store, tid), "the end recorded once the node is free")
+
+
+async def _succeeded(store: Store, tid: uuid.UUID) -> bool:
+    return (await store.get_task(tid)).state == S.SUCCEEDED
