@@ -54,8 +54,8 @@ PERSIST_FOR = 30.0  # seconds a node's report is retried against an unavailable 
 # Node reports applied in one transaction (one commit) at most. A group commit is six round trips
 # whatever its size, each waiting its turn on a busy event loop: on a 1,000-node fleet a commit of
 # 1,000 reports took ~215 ms and one of ~1,540 ~315 ms, and with batches capped at 1,000 the reports
-# waited 2–3.5 s behind one another (the lifecycle benchmark). A commit holds its tasks' and their
-# nodes' rows for as long: ~0.3 s at this size, where an accept deadline is 15 s.
+# waited 2–3.5 s behind one another (the lifecycle benchmark). A commit holds its tasks' rows for as
+# long (~0.3 s at this size, where an accept deadline is 15 s), their nodes' only while its ends are written.
 EVENT_BATCH = 4000
 EVENT_TRIES = 5  # a report whose task keeps moving between read and write is given up after this
 SESSION_BACKLOG = 4096  # reports one stream may have waiting before its reader stops reading
