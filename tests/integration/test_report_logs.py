@@ -144,8 +144,4 @@ async def test_a_group_commit_decides_an_end_without_waiting_for_its_nodes_lock(
         await asyncio.wait_for(decided.wait(), 30)  # while the node is still held
         assert (await store.get_task(tid)).state == S.RUNNING  # its end waits for the node
         await tx.rollback()
-        await _eventually(lambda: _succeeded(store, tid), "the end recorded once the node is free")
-
-
-async def _succeeded(store: Store, tid: uuid.UUID) -> bool:
-    return (await store.get_task(tid)).state == S.SUCCEEDED
+        await _eventually(lambda: state_is(store, tid, S.SUCCEEDED), "the end recorded once the node is free")
