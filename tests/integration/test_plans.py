@@ -297,14 +297,16 @@ async def test_a_dispatch_passs_write_joins_none_of_its_ctes_row_by_row(store: S
     assert cte_nested_loops(plan) != [], "\n".join(plan)
 
 
-async def test_a_dispatch_pass_finds_its_claimed_tasks_by_key_when_the_statistics_say_the_queue_is_empty(store: Store, db_url: str) -> None:
+async def test_a_statement_given_queued_tasks_finds_each_by_its_key_when_the_statistics_say_the_queue_is_empty(
+    store: Store, db_url: str
+) -> None:
     """Statistics gathered while nothing was queued (a quiet fleet's usual state; on a table of many
     finished tasks a burst of submissions does not bring ANALYZE back soon) made the planner guess the
-    queue one row long. The pass's write then read the queue's head in tasks_queued for each of its
-    placements, and its claimed tasks are that head: a pass of 500 read 125,000 index entries, 172 ms
-    of a 212 ms write (docs/benchmarks.md, thirtieth session); the reasons written for the tasks it
-    could not place read the whole queue into a hash. Both now find each task by its primary key.
-    The control: each statement as it was."""
+    queue one row long. A dispatch pass's write then read the queue's head in tasks_queued for each of
+    its placements, and its claimed tasks are that head: a pass of 500 read 125,000 index entries, 172
+    ms of a 212 ms write (docs/benchmarks.md, thirtieth session); the reasons written for the tasks it
+    could not place, and the image resolver's two writes, read the whole queue. Each now finds its
+    tasks by their primary key. The control: each statement as it was."""
     await add_node(store, "n1", slots=64)
     for _ in range(20):
         await submit(store)
@@ -315,23 +317,29 @@ async def test_a_dispatch_pass_finds_its_claimed_tasks_by_key_when_the_statistic
     for _ in range(60):
         await submit(store)
     q = queries()
-    now, before = "WHERE tasks.id = d.id AND (tasks.state = 'queued') IS TRUE", "WHERE tasks.id = d.id AND tasks.state = 'queued'"
-    as_it_was = {name: (now, before) for name in ("assign_tasks", "set_queued_reasons")}
-    plans: dict[tuple[str, str], str] = {}
+    tasks_ = ("WHERE tasks.id = d.id AND (tasks.state = 'queued') IS TRUE", "WHERE tasks.id = d.id AND tasks.state = 'queued'")
+    t_ = ("WHERE t.id = d.id AND (t.state = 'queued') IS TRUE", "WHERE t.id = d.id AND t.state = 'queued'")
+    as_it_was = {"assign_tasks": tasks_, "set_queued_reasons": tasks_, "set_resolved": t_, "set_unresolved": t_}
+    plans: dict[tuple[str, str, bool], str] = {}
     keyed = await Store.connect(db_url, min_size=1, max_size=1, keyed=True)  # as the dispatch passes' pool is
     try:
-        async with keyed.pool.acquire() as c:
-            await c.execute("SET plan_cache_mode = force_generic_plan")
-            for name, (now, before) in as_it_was.items():
-                assert now in q[name]
-                for label, sql in (("now", q[name]), ("before", q[name].replace(now, before))):
-                    prepared = await c.prepare(sql)
-                    nulls = ", ".join(["NULL"] * len(prepared.get_parameters()))
-                    plan = await c.fetch(f"EXPLAIN EXECUTE {prepared.get_name()}({nulls})")
-                    plans[name, label] = "\n".join(r[0] for r in plan)
+        for session in (keyed, store):
+            async with session.pool.acquire() as c:
+                await c.execute("SET plan_cache_mode = force_generic_plan")
+                for name, (now, before) in as_it_was.items():
+                    assert now in q[name]
+                    for label, sql in (("now", q[name]), ("before", q[name].replace(now, before))):
+                        prepared = await c.prepare(sql)
+                        nulls = ", ".join(["NULL"] * len(prepared.get_parameters()))
+                        plan = await c.fetch(f"EXPLAIN EXECUTE {prepared.get_name()}({nulls})")
+                        plans[name, label, session is keyed] = "\n".join(r[0] for r in plan)
     finally:
         await keyed.close()
-    for name in as_it_was:
-        now_plan, before_plan = plans[name, "now"], plans[name, "before"]
-        assert "tasks_pkey" in now_plan and "tasks_queued" not in now_plan, f"{name}:\n{now_plan}"
-        assert "tasks_queued" in before_plan, f"{name} as it was:\n{before_plan}"
+    for (name, label, is_keyed), plan in plans.items():
+        where = f"{name} ({'as it was' if label == 'before' else 'now'}, {'keyed' if is_keyed else 'plain'} session)"
+        if label == "now":
+            assert "tasks_queued" not in plan, f"{where}:\n{plan}"
+            if is_keyed:
+                assert "tasks_pkey" in plan, f"{where}:\n{plan}"
+        else:
+            assert "tasks_queued" in plan, f"{where}:\n{plan}"

@@ -627,7 +627,8 @@ WITH r AS (
     UPDATE tasks t SET image_digest = d.digest, resolved_at = now(), resolve_after = NULL,
         reason = $3, reason_detail = NULL, updated_at = now()
     FROM unnest($1::uuid[], $2::text[]) AS d(id, digest)
-    WHERE t.id = d.id AND t.state = 'queued' AND t.image_digest IS NULL
+    -- `IS TRUE` for the reason assign_tasks gives: each task by its key, not the queue read whole
+    WHERE t.id = d.id AND (t.state = 'queued') IS TRUE AND t.image_digest IS NULL
     RETURNING t.id
 ), n AS (
     SELECT pg_notify('podium_dispatch', '') FROM r LIMIT 1
@@ -640,7 +641,7 @@ SELECT r.id, (SELECT count(*) FROM n) AS notified FROM r
 UPDATE tasks t SET reason = $4, reason_detail = d.detail, resolve_tries = t.resolve_tries + 1,
     resolve_after = now() + make_interval(secs => d.backoff), updated_at = now()
 FROM unnest($1::uuid[], $2::text[], $3::float8[]) AS d(id, detail, backoff)
-WHERE t.id = d.id AND t.state = 'queued' AND t.image_digest IS NULL
+WHERE t.id = d.id AND (t.state = 'queued') IS TRUE AND t.image_digest IS NULL  -- as set_resolved
 
 -- release_proofs --
 -- Nodes' release proofs, any number in one statement. Each is recorded on the attempt it names —
