@@ -46,6 +46,7 @@ from podium.heap import freeze_startup
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.proto.podium.v1 import agent_pb2_grpc as pb_grpc
 from podium.protocol import take_batch
+from podium.wakeups import drain_wakeups
 
 K = pb.TaskEvent.Kind
 FINAL = (K.EXITED, K.FAILED_RETRYABLE, K.NOT_RUNNING)
@@ -103,6 +104,7 @@ class Fleet:
             ("grpc.keepalive_time_ms", 60000),
             ("grpc.max_receive_message_length", 64 * 2**20),
         ]
+        drain_wakeups()  # as a real agent does: one turn of the fleet's loop hears every finished read and write
         self.channels = [grpc.aio.insecure_channel(args.server, options=opts + [("bench.channel", i)]) for i in range(n_channels)]
         self.stubs = [pb_grpc.AgentGatewayStub(c) for c in self.channels]
         # measurements

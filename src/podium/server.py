@@ -38,6 +38,7 @@ from podium.store import Store
 from podium.store.db import DEFAULT_SERIALIZATION_RETRY_LIMIT
 from podium.store.embedded import EmbeddedPostgres
 from podium.timing import Timing, timing_from_env
+from podium.wakeups import drain_wakeups
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ class PodiumServer:
         scheduler.hold_while_behind(gateway.behind)
         scheduler.deliver_through(gateway.sessions.keys, gateway.outbox.push, gateway)
 
+        drain_wakeups()  # a loop busy with the API still hears every stream's reads and writes in one turn
         grpc_server = grpc.aio.server(options=[("grpc.keepalive_time_ms", 20000), ("grpc.so_reuseport", 0)])
         pb_grpc.add_AgentGatewayServicer_to_server(gateway, grpc_server)
         address = f"{self.cfg.grpc_host}:{self.cfg.grpc_port}"

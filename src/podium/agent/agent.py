@@ -50,6 +50,7 @@ from podium.protocol import FINAL_KINDS, PROTOCOL_MAX, PROTOCOL_MIN, fence_after
 from podium.security.masking import Masker
 from podium.security.secretbox import write_private
 from podium.timing import Timing
+from podium.wakeups import drain_wakeups
 
 log = logging.getLogger(__name__)
 
@@ -407,6 +408,7 @@ class Agent:
         return self.cfg.credential
 
     def _channel(self, server: str) -> grpc.aio.Channel:
+        drain_wakeups()  # a busy agent's loop hears every finished read and write in one turn
         c = self.cfg
         if not (c.tls or c.ca_file):
             return grpc.aio.insecure_channel(server)
