@@ -8,11 +8,13 @@ byte behind for each, and once the socket's buffer is full (~280 one-byte writes
 buffer of its own) the thread blocks in that write: from then on one completion reaches the loop per
 turn of the loop, whatever the C core has finished.
 
-A loop busy elsewhere turns slowly. The server's, taking a flood of submissions (13,000 tasks a
-second in batches of 100), turned a few dozen times a second, and for the flood's 3-4 seconds no
-Assign reached its node and no report was read (every write to a stream waited 3-4 s for its
-completion), though the dispatcher had placed thousands: docs/benchmarks.md, issue 17, thirtieth
-session. An agent running many short commands is the same kind of loop.
+A loop busy elsewhere turns slowly. The server's, taking a flood of submissions (6,000-13,000
+tasks a second in batches of 100), turned a few dozen times a second, and for the flood's length no
+Assign reached its node and no report or heartbeat was read (every write to a stream waited for the
+flood's end), though the dispatcher had placed thousands: 3-4 s for 30,000 tasks, 22 s for 150,000,
+whose first acceptances were then read after their deadline and their tasks placed again
+(docs/benchmarks.md, issue 17, thirtieth session). An agent running many short commands is the same
+kind of loop.
 
 `drain_wakeups()` makes that socket's reads take every byte there is: each completion still wakes
 the loop, and the thread never blocks. It changes the socket pair grpc makes for its queue and
