@@ -427,3 +427,72 @@ async def test_a_pass_that_finds_nothing_queued_builds_no_placer(store: Store) -
     tid = await submit(store)
     busy = await sched.dispatch_once()
     assert [a[0] for a in busy.assigned] == [tid] and plans[-1]._placer is not None
+
+
+async def test_a_pass_that_leaves_the_fleet_full_lets_the_next_wait_a_moment(store: Store) -> None:
+    """On a full fleet each group commit of ends wakes the dispatcher; a pass that leaves no room asks
+    its loop to start the next no sooner than SETTLE_WHEN_FULL, so that it places several commits'
+    ends at once. A pass that leaves room asks nothing: a task submitted to it is placed at once."""
+    from podium.scheduler.dispatch import SETTLE_WHEN_FULL
+
+    await add_node(store, "n1", slots=2)
+    ids = [await submit(store) for _ in range(3)]
+    d = _patient(store).dispatcher
+    settled: list[float] = []
+    d.loop.settle = settled.append  # type: ignore[method-assign]
+    assert await d.loop.run_pass() is None  # at the next wake-up
+    assert settled == [SETTLE_WHEN_FULL]
+    placed = await store.get_task(ids[0])
+    assert placed.state == "assigned" and (await store.get_task(ids[2])).state == "queued"
+    # a freed slot: the pass places the queued task, and the fleet is full again
+    async with store.pool.acquire() as c:
+        tok = await c.fetchval("SELECT fencing_token FROM tasks WHERE id = $1", ids[0])
+    await _free_one(store, (ids[0], "n1", tok))
+    assert await d.loop.run_pass() is None
+    assert (await store.get_task(ids[2])).state == "assigned"
+    assert settled == [SETTLE_WHEN_FULL] * 2
+    # room: a node of ten slots joins, a task is placed on it, and nine slots are left
+    await add_node(store, "n2", slots=10)
+    late = await submit(store)
+    assert await d.loop.run_pass() is None
+    assert (await store.get_task(late)).node_id == "n2"
+    assert settled == [SETTLE_WHEN_FULL] * 2  # not asked again
+
+
+async def test_a_settled_loop_starts_its_next_pass_no_sooner_than_asked(store: Store) -> None:
+    """`WokenLoop.settle`: woken at once (a NOTIFY sent as the first pass ends), the next pass still
+    starts no sooner than the time asked for, and the wake-up heard meanwhile is not lost. A poke (a
+    submission handed to the idle dispatcher, whose HTTP answer waits for the pass) is not held."""
+    from podium.scheduler.woken import WokenLoop
+
+    loop = asyncio.get_running_loop()
+    starts: list[float] = []
+    asked: list[float] = []
+    passes = [asyncio.Event() for _ in range(3)]
+
+    async def run_pass() -> float | None:
+        starts.append(loop.time())
+        if len(starts) == 1:
+            asked.append(loop.time())
+            woken.settle(0.3)
+            async with store.pool.acquire() as c:
+                await c.execute("SELECT pg_notify('podium_test_settle', '')")
+        elif len(starts) == 2:
+            woken.settle(3600.0)  # as long as the tick: only the poke below brings the third pass
+        passes[len(starts) - 1].set()
+        return None
+
+    woken = WokenLoop("test", store, "podium_test_settle", 3600.0, run_pass)
+    task = asyncio.create_task(woken.run())
+    try:
+        await asyncio.wait_for(passes[1].wait(), 30)
+        while not woken.idle:
+            await asyncio.sleep(0.01)
+        woken.poke()
+        await asyncio.wait_for(passes[2].wait(), 30)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await woken.close()
+    # the loop's clock, which its timers may run ahead of by its resolution
+    assert starts[1] - asked[0] >= 0.3 - loop._clock_resolution

@@ -49,6 +49,13 @@ from podium.timing import Timing
 log = logging.getLogger(__name__)
 
 WINDOW_POLL = 0.02  # seconds between looks at a full assignment window
+# After a pass that leaves the fleet no room, the next starts no sooner than this: it can place only
+# what ends free meanwhile, and each group commit of ends wakes it. Woken at once by each, a burst's
+# passes placed ~16 tasks each on 64 slots (190 passes for 3,000 tasks), each paying a pass's fixed
+# cost again (its facts, claim, node locks, commit; an Assign write to each node); settled, they place
+# the ends of several group commits at once. A fleet with room is never held: a task submitted to it
+# is placed at once.
+SETTLE_WHEN_FULL = 0.01
 # Requirements kept between passes, keyed by everything they are made of (the spec's text among it,
 # so a changed spec is simply another key); dropped all at once past this many.
 REQUIREMENTS_KEPT = 8192
@@ -256,6 +263,7 @@ class Dispatcher:
         self._smallest: Resources | None = None
         # submissions handed to the next pass, each with what its handler waits for
         self._handed: list[tuple[Submissions, asyncio.Future[dict[uuid.UUID, TaskRow] | None]]] = []
+        self._left_full = False  # the last pass left no room on the fleet (`SETTLE_WHEN_FULL`)
 
     def take_submission(self, sub: Submissions) -> asyncio.Future[dict[uuid.UUID, TaskRow] | None] | None:
         """Take new tasks for the next pass, to store in its transaction before its claim, if this
@@ -298,11 +306,16 @@ class Dispatcher:
             # Nodes are behind on accepting what they were given; nothing wakes us when they
             # catch up, so look again soon rather than at the next tick.
             return min(self.timing.tick, WINDOW_POLL)
+        if self._left_full:
+            # nothing more fits until something ends (its commit wakes us): not at once, though
+            self.loop.settle(SETTLE_WHEN_FULL)
+            return None
         if outcome.claimed >= outcome.limit and outcome.assigned:
             return 0  # more may be waiting: don't sleep between full batches
         return None
 
     async def dispatch_once(self) -> DispatchOutcome:
+        self._left_full = False
         if self.behind() > self.timing.provisioning_deadline * HOLD_SHARE:
             self.release_handed()  # not placed now: their handlers store them at once
             metrics.DISPATCH_HELD.inc()
@@ -360,13 +373,14 @@ class Dispatcher:
             offered.extend(rows)  # told `commit_known` however the offer ends, by raising too
             return early.push_before_commit(rows)
 
+        plan = self.plan(whole_window=whole)
         try:
             outcome = await self.store.dispatch(
                 claim_limit=self.timing.claim_limit,
                 assign_window=self.timing.assign_window,
                 accept_seconds=self.timing.provisioning_deadline,
                 lease_seconds=self.timing.lease_ttl,
-                plan=self.plan(whole_window=whole),
+                plan=plan,
                 actor=self.actor,
                 nodes_since=self._horizon,
                 reconcile_seconds=self.timing.reconcile,
@@ -395,6 +409,9 @@ class Dispatcher:
             self._answer_handed(handed, outcome.submitted)  # stored, whatever befalls the push
         if whole and not outcome.window_full and not outcome.lost_races:
             self._window_looked_at = now
+        # no room left for a task of the smallest size claimed lately (a pass that found the window
+        # full read no node: it says nothing of the room)
+        self._left_full = not outcome.window_full and plan.room <= 0
         return outcome
 
     def _remember_nodes(self, changed: list[NodeRow], room: list[NodeRoomRow], horizon: int, operations: dict[str, int]) -> None:

@@ -32,6 +32,7 @@ class WokenLoop:
         self.run_pass = run_pass
         self._sub: Subscription | None = None
         self._poked = asyncio.Event()
+        self._not_before: float | None = None  # the next pass starts no sooner (`settle`)
         # between passes, waiting for a wake-up (not while a pass runs, nor while the store is down)
         self.idle = False
 
@@ -45,9 +46,29 @@ class WokenLoop:
             await sub.close()
 
     def poke(self) -> None:
-        """A pass now (or, if one is running, right after it), as a notification would bring."""
+        """A pass now (or, if one is running, right after it), as a notification would bring; not held
+        by `settle` (the caller waits for that pass)."""
         self.idle = False
+        self._not_before = None
         self._poked.set()
+
+    def settle(self, seconds: float) -> None:
+        """The next pass starts no sooner than `seconds` from now, however soon it is woken: the
+        wake-ups heard meanwhile are one pass's worth. Asked for by a pass that knows the next one
+        has little to do until several changes have come (the dispatcher, when the fleet is full)."""
+        self._not_before = asyncio.get_running_loop().time() + seconds
+
+    async def _settled(self) -> None:
+        not_before, self._not_before = self._not_before, None
+        if not_before is None:
+            return
+        wait = not_before - asyncio.get_running_loop().time()
+        if wait <= 0:
+            return
+        await asyncio.sleep(wait)
+        if self._sub is not None:
+            # heard before the pass starts, so committed before it reads: that pass sees them
+            self._sub.drain()
 
     async def _woken(self) -> None:
         """Until a notification (every one heard meanwhile counts as the same wake-up), a poke or the
@@ -91,6 +112,7 @@ class WokenLoop:
                     await asyncio.sleep(again)
                 continue
             await self._woken()
+            await self._settled()
 
     async def close(self) -> None:
         await self._drop()
