@@ -486,8 +486,9 @@ async def test_a_settled_loop_starts_its_next_pass_no_sooner_than_asked(store: S
     task = asyncio.create_task(woken.run())
     try:
         await asyncio.wait_for(passes[1].wait(), 30)
-        while not woken.idle:
+        while not woken.idle and not task.done():  # waiting for a wake-up (a loop that failed: see below)
             await asyncio.sleep(0.01)
+        assert not task.done(), task
         woken.poke()
         await asyncio.wait_for(passes[2].wait(), 30)
     finally:
