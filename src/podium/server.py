@@ -13,10 +13,10 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import uvicorn
@@ -258,22 +258,6 @@ LAG_PROBE = 0.25  # seconds between probes of the event loop's lag
 async def _awaited(loop: Callable[[], Awaitable[None]]) -> None:
     """A named loop as a coroutine of its own, for create_task."""
     await loop()
-
-
-T = TypeVar("T")
-
-
-def run_server_loop(main: Coroutine[Any, Any, T]) -> T:
-    """Run a server process's coroutine to its end on uvloop's event loop: a server is gRPC, HTTP and
-    asyncpg turns (it starts no subprocess), and uvloop runs those turns and asyncpg's protocol for
-    less CPU than asyncio's own loop (docs/benchmarks.md, issue 17). The agent keeps asyncio's loop:
-    libuv would fork its tasks' processes in full, which costs it more than the turns save."""
-    try:
-        import uvloop
-    except ImportError:  # a platform uvloop has no build for (Windows): asyncio's loop does the same work
-        return asyncio.run(main)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
 
 
 def install_signal_handlers(server: PodiumServer) -> None:

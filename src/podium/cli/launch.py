@@ -61,7 +61,8 @@ def server(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a server. With PODIUM_DATABASE_URL it uses that PostgreSQL; without, an embedded one."""
-    from podium.server import PodiumServer, ServerConfig, install_signal_handlers, run_server_loop
+    from podium.eventloop import run_loop
+    from podium.server import PodiumServer, ServerConfig, install_signal_handlers
 
     if placement not in ("spread", "binpack"):
         raise CliError(f"--placement must be spread or binpack, not {placement!r}")
@@ -90,7 +91,7 @@ def server(
         install_signal_handlers(srv)
         await srv.run()
 
-    run_server_loop(main())
+    run_loop(main())
 
 
 @app.command()
@@ -203,9 +204,10 @@ def agent(
             raise exc
 
     from podium.agent.agent import NodeRemoved, Superseded
+    from podium.eventloop import run_loop
     from podium.heap import freeze_startup
 
-    asyncio.run(main())
+    run_loop(main())
 
 
 @app.command()
@@ -224,7 +226,8 @@ def dev(
 
     from podium import lockfile
     from podium.client import token_file
-    from podium.server import PodiumServer, ServerConfig, install_signal_handlers, run_server_loop
+    from podium.eventloop import run_loop
+    from podium.server import PodiumServer, ServerConfig, install_signal_handlers
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ddir = data_dir or default_data_dir()
@@ -289,7 +292,7 @@ def dev(
             except subprocess.TimeoutExpired:
                 agent_proc.kill()
 
-    run_server_loop(main())
+    run_loop(main())
 
 
 def _die_with_parent(parent: int) -> Any:
