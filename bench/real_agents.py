@@ -10,8 +10,11 @@ timestamp), and reads from /proc the CPU time (user + system) every process of t
 the burst, by role: server, postgres, agent, fence (the agents' fence keepers), task (the commands
 themselves and anything else under the run); and, apart from that total, what this process (the
 bench's own client) spent, and what the commands the agents started and reaped spent (their own
-CPU, which the agents' /proc records once they are waited for). `--podium PATH` runs another build's
-server and agents (e.g. a checkout of main) with this checkout's client, for a before/after in one run.
+CPU, which the agents' /proc records once they are waited for). Beside them, the whole machine over
+the burst from /proc/stat: how much of its CPU was idle, and how many cores were busy outside every
+process counted here (other load on the machine, and the kernel's own threads): a burst run beside
+other work says so. `--podium PATH` runs another build's server and agents (e.g. a checkout of main)
+with this checkout's client, for a before/after in one run.
 """
 
 from __future__ import annotations
@@ -87,6 +90,15 @@ def cpu_ticks(mark: str) -> dict[str, int]:
             if r == "agent":  # the tasks' commands, which an agent reaps
                 out[COMMANDS] = out.get(COMMANDS, 0) + reaped
     return out
+
+
+def machine_ticks() -> tuple[int, int]:
+    """The whole machine's clock ticks since boot, all CPUs: (busy, idle), from /proc/stat's first line
+    (idle and iowait are idle; everything else, guests included in user, is busy)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, idle
 
 
 class Run:
@@ -244,8 +256,10 @@ def main() -> None:
         if a.tasks:
             counted = dispatch_counters(b.addr, b.token)
             load0, before, since, mine = load(), cpu_ticks(str(run.tmp)), time.time(), os.times()
+            machine, wall = machine_ticks(), time.monotonic()
             r = b.burst(a.tasks, a.batch)
             after, mine_after = cpu_ticks(str(run.tmp)), os.times()
+            machine_after, wall = machine_ticks(), time.monotonic() - wall
             r["dispatch"] = {k: round(v - counted[k], 3) for k, v in dispatch_counters(b.addr, b.token).items()}
             hz = os.sysconf("SC_CLK_TCK")
             per_task = {k: round((after.get(k, 0) - before.get(k, 0)) * 1000 / hz / a.tasks, 2) for k in sorted(after)}
@@ -257,6 +271,14 @@ def main() -> None:
             client = mine_after.user + mine_after.system - mine.user - mine.system
             r["client_cpu_ms_per_task"] = round(client * 1000 / a.tasks, 2)
             r["load"] = [load0, load()]
+            # The machine as a whole: what the run's processes, its commands and this client spent, and
+            # the rest of the busy time (other processes, the kernel's threads), in cores over the burst
+            busy, idle = (machine_after[i] - machine[i] for i in (0, 1))
+            counted = (sum(after.values()) - sum(before.values())) / hz + client
+            r["machine"] = {
+                "idle_pct": round(100 * idle / max(1, busy + idle), 1),
+                "outside_cores": round(max(0.0, busy / hz - counted) / wall, 2),
+            }
             if a.stages:
                 r["stages_ms"] = stages(run.tmp / "data", since)
             out.append(r)
@@ -308,6 +330,9 @@ def summary(r: dict) -> str:  # type: ignore[type-arg]
         if (cmd := r["commands_cpu_ms_per_task"]) and "cpu_ms_per_task" in r:
             lines.append("  per task, in commands' CPU (a yardstick of this run's machine speed): "
                          + ", ".join(f"{k} {v / cmd:.3f}" for k, v in r["cpu_ms_per_task"].items()))
+    if m := r.get("machine"):
+        lines.append(f"  the machine over the burst: {m['idle_pct']} % idle; {m['outside_cores']} cores busy outside the run's "
+                     "processes and this client (other load, the kernel's own threads)")  # fmt: skip
     for stage, v in r.get("stages_ms", {}).items():
         lines.append(f"    {stage}: p50 {v['p50']} / p90 {v['p90']} ms")
     return "\n".join(lines)
