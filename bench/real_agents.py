@@ -94,7 +94,8 @@ def cpu_ticks(mark: str) -> dict[str, int]:
 
 def machine_ticks() -> tuple[int, int]:
     """The whole machine's clock ticks since boot, all CPUs: (busy, idle), from /proc/stat's first line
-    (idle and iowait are idle; everything else, guests included in user, is busy)."""
+    (idle and iowait are idle; everything else is busy, the time the host gave other guests (steal)
+    too: a virtual machine's neighbours are other load)."""
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:9]]
     idle = fields[3] + fields[4]
@@ -274,10 +275,10 @@ def main() -> None:
             # The machine as a whole: what the run's processes, its commands and this client spent, and
             # the rest of the busy time (other processes, the kernel's threads), in cores over the burst
             busy, idle = (machine_after[i] - machine[i] for i in (0, 1))
-            counted = (sum(after.values()) - sum(before.values())) / hz + client
+            ours = (sum(after.values()) - sum(before.values())) / hz + client
             r["machine"] = {
                 "idle_pct": round(100 * idle / max(1, busy + idle), 1),
-                "outside_cores": round(max(0.0, busy / hz - counted) / wall, 2),
+                "outside_cores": round(max(0.0, busy / hz - ours) / wall, 2),
             }
             if a.stages:
                 r["stages_ms"] = stages(run.tmp / "data", since)
