@@ -161,13 +161,14 @@ def _nodes(b: Bench) -> list:  # type: ignore[type-arg]
 
 
 #: The dispatcher's own counters, read from the server's /metrics around each mode: passes, rows it
-#: claimed (locked and placed or given a reason), reasons it wrote, placements. A build that has no
-#: such counter prints none.
+#: claimed (locked and placed or given a reason), reasons it wrote, placements (and of those, the ones
+#: a group commit of ends made on the room it freed). A build that has no such counter prints none.
 DISPATCH_COUNTERS = {
     "passes": "podium_dispatch_seconds_count",
     "claimed": "podium_dispatch_claimed_total",
     "reasons_written": "podium_dispatch_reasons_written_total",
     "placements": "podium_placements_total",
+    "placed_with_ends": "podium_placements_with_ends_total",
     "dispatch_seconds": "podium_dispatch_seconds_sum",
     "report_commits": "podium_node_report_batch_seconds_count",
     "report_commit_seconds": "podium_node_report_batch_seconds_sum",
@@ -314,7 +315,7 @@ def summary(r: dict) -> str:  # type: ignore[type-arg]
     if "submit_to_first_instruction_ms" in r:
         lines.append(f"  submit → first instruction p50/p99 {pr('submit_to_first_instruction_ms')}")
     if d := r.get("dispatch"):
-        lines.append(f"  dispatcher over the {r['mode']} run: " + ", ".join(f"{k} {d[k]:g}" for k in list(DISPATCH_COUNTERS)[:4] if k in d))
+        lines.append(f"  dispatcher over the {r['mode']} run: " + ", ".join(f"{k} {d[k]:g}" for k in list(DISPATCH_COUNTERS)[:5] if k in d))
         if d.get("passes"):
             lines[-1] += f", {d['dispatch_seconds'] * 1000 / d['passes']:.1f} ms a pass"
         if d.get("report_commits"):

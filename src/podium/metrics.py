@@ -12,6 +12,10 @@ _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 _SIZES = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000)
 
 PLACEMENTS = Counter("podium_placements_total", "Tasks assigned to a node by this server's dispatcher.")
+REFILL_PLACEMENTS = Counter(
+    "podium_placements_with_ends_total",
+    "Tasks assigned by a group commit of node reports, on the room its ends freed (counted in podium_placements_total too).",
+)
 DISPATCH_SECONDS = Histogram(
     "podium_dispatch_seconds", "One dispatch batch: claim, place, reserve, assign, commit.", buckets=_FAST
 )

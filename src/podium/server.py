@@ -178,6 +178,7 @@ class PodiumServer:
 
         scheduler.hold_while_behind(gateway.behind)
         scheduler.deliver_through(gateway.sessions.keys, gateway.outbox.push, gateway)
+        gateway.reports.place_on_ends(scheduler.dispatcher, gateway.outbox.push)
 
         drain_wakeups()  # a loop busy with the API still hears every stream's reads and writes in one turn
         grpc_server = grpc.aio.server(options=[("grpc.keepalive_time_ms", 20000), ("grpc.so_reuseport", 0)])

@@ -34,6 +34,7 @@ import logging
 import math
 import uuid
 from collections.abc import Callable, Collection, Mapping
+from typing import Protocol
 
 from podium import metrics, protocol
 from podium.errors import StoreUnavailable
@@ -45,7 +46,8 @@ from podium.scheduler.apply import change, facts
 from podium.scheduler.policy import TaskFacts
 from podium.states import TaskState
 from podium.store import Change, Store
-from podium.store.rows import TaskFactsRow
+from podium.store.db import Refill
+from podium.store.rows import OutboxRow, TaskFactsRow
 from podium.timing import Timing
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,16 @@ SESSION_BACKLOG = 4096  # reports one stream may have waiting before its reader 
 # the most Assigns of one dispatch whose acceptances it waits for and makes itself (`acceptances_in_pass`)
 ACCEPT_IN_PASS_MAX = 4
 _KIND = {v: k for k, v in pb.TaskEvent.Kind.items()}
+
+
+class Refiller(Protocol):
+    """Who places queued tasks on the room a group commit of ends frees, in that commit (the
+    dispatcher): `refill` gives the commit what to place with (None: nothing now), `refilled` is told
+    once it has committed."""
+
+    def refill(self) -> Refill | None: ...
+
+    def refilled(self, refill: Refill) -> None: ...
 
 
 @dataclasses.dataclass(slots=True)
@@ -98,6 +110,17 @@ class ReportBatcher:
         # the acceptances it took, by token, until its commit is known
         self._waiting: set[asyncio.Event] = set()
         self._taken: dict[int, tuple[Session, Pending]] = {}
+        # The dispatcher, when this server runs one: a batch that ends attempts places queued tasks
+        # on the room it frees, in its own commit, and their Assigns go to `push` (the outbox) once
+        # it has committed (`place_on_ends`).
+        self.refiller: Refiller | None = None
+        self.push: Callable[[list[OutboxRow]], None] = lambda rows: None
+
+    def place_on_ends(self, refiller: Refiller, push: Callable[[list[OutboxRow]], None]) -> None:
+        """From now on, a batch that ends attempts places queued tasks on the room it frees (what
+        `refiller` gives it), and hands their Assigns to `push` once it has committed."""
+        self.refiller = refiller
+        self.push = push
 
     def drop(self, s: Session) -> None:
         """A stream ended: what it reported and was not applied yet goes with it (a reconnecting node
@@ -364,8 +387,18 @@ class ReportBatcher:
         # with the read (`ending`): a dispatch pass takes the nodes' locks too, and on a 1,000-node
         # fleet waited 18–137 ms a pass for a group commit holding them through its read and decisions
         # (the lifecycle benchmark, four pairs: +4 to +34 % with them taken late, for one round trip more)
-        _changes, results = await self.store.transition_decided(list({p.task_id: None for _s, p in batch}), decide, logs=logs)
+        refiller = self.refiller
+        refill = refiller.refill() if refiller is not None and any(p.final for _s, p in batch) else None
+        _changes, results = await self.store.transition_decided(
+            list({p.task_id: None for _s, p in batch}), decide, logs=logs, refill=refill
+        )
         assert plan is not None
+        if refill is not None and refill.outcome is not None:
+            assert refiller is not None
+            # the next tasks' Assigns first: their nodes wait for them, and for nothing else here
+            if refill.outcome.delivered:
+                self.push(refill.outcome.delivered)
+            refiller.refilled(refill)
         metrics.NODE_REPORT_BATCH.observe(len(batch))
         for answer in plan.answers:  # what the node hears of the reports that changed nothing
             answer()

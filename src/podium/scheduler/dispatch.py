@@ -42,7 +42,7 @@ from podium.errors import StoreUnavailable
 from podium.placement import Derived, NodeSnapshot, Placer, Requirements, Resources, Unplaceable, placeable_at_most
 from podium.scheduler.woken import WokenLoop
 from podium.store import Change, Store
-from podium.store.db import DispatchOutcome, PlacementDecision, Submissions
+from podium.store.db import DispatchOutcome, PlacementDecision, Refill, Submissions
 from podium.store.rows import ClaimedTaskRow, NodeRoomRow, NodeRow, OutboxRow, TaskRow
 from podium.timing import Timing
 
@@ -144,57 +144,58 @@ def requirements(
     )
 
 
-class DispatchPass:
-    """One pass's side of `Store.dispatch`: a placer over the nodes as they are now, a bound on how
-    many tasks it could still place, and whether this pass looks at the whole window (for reasons)
-    or only at what the free room could take."""
+class _Placing:
+    """What a dispatch pass and a refill share (`Store`'s `DispatchPlan` and `RefillPlan` but for
+    `begin`): a placer over some of the nodes as they are now, a bound on how many tasks it could
+    still place, how many to claim, and whether the claim drained the queue."""
 
     def __init__(self, dispatcher: Dispatcher, *, whole_window: bool) -> None:
         self.dispatcher = dispatcher
         self.whole_window = whole_window
         self._placer: Placer | None = None
         self.room = 0  # at most this many more placements are possible in this pass
+        self._asked = 0  # what the last `want` asked for
+        self.drained = False  # a claim found fewer queued tasks than it asked for: none is left behind them
 
-    def begin(self, changed: list[NodeRow], room: list[NodeRoomRow], horizon: int, operations: dict[str, int]) -> None:
-        d = self.dispatcher
-        d._remember_nodes(changed, room, horizon, operations)
-        d._snaps = with_operations(d._snaps, operations)
-        if self.whole_window:
-            d._smallest = None  # learnt again from the window's head, which this pass claims whole
-        self.room = placeable_at_most(d._snaps.values(), d._smallest)
+    @property
+    def snaps(self) -> dict[str, NodeSnapshot]:
+        raise NotImplementedError
 
     @property
     def placer(self) -> Placer:
-        # Built when the first claimed task is placed: a pass on a full fleet claims nothing, and
-        # need not index every node for it (over 5,000 nodes, ~5 % of the server's samples).
-        if self._placer is None:
-            snaps = self.dispatcher._snaps
-            self._placer = Placer(
-                [snaps[k] for k in sorted(snaps)], policy=self.dispatcher.policy_name, derived=self.dispatcher._derived
-            )
-        return self._placer
+        raise NotImplementedError
 
     def want(self, claimed: int, limit: int) -> int:
         if self.whole_window:
-            return limit - claimed
-        if self.room <= 0:
-            return 0  # no task could be placed: the claimed ones, if any, already have their reason
-        # First exactly what the room could take. If tasks the free nodes cannot run (another pool,
-        # labels, GPUs) held part of it, claim on, at least as many as so far each time, so that a
-        # long run of them costs a few round trips and the tasks behind them are still reached.
-        return min(limit - claimed, max(self.room, claimed))
+            self._asked = limit - claimed
+        elif self.room <= 0:
+            self._asked = 0  # no task could be placed: the claimed ones, if any, already have their reason
+        else:
+            # First exactly what the room could take. If tasks the free nodes cannot run (another
+            # pool, labels, GPUs) held part of it, claim on, at least as many as so far each time, so
+            # that a long run of them costs a few round trips and the tasks behind them are reached.
+            self._asked = min(limit - claimed, max(self.room, claimed))
+        return self._asked
+
+    def leaves(self, t: ClaimedTaskRow) -> bool:
+        """Whether this claimed task is left queued without being placed (its reason as it was)."""
+        return False
 
     def place(self, tasks: list[ClaimedTaskRow]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
-        """Pure once the rows are read: the Placer sees every connected node (kept between ticks,
-        with the rows changed since the last read folded in) and reserves as it goes."""
-        snaps = self.dispatcher._snaps
+        """Pure once the rows are read: the Placer sees the nodes (`snaps`) and reserves as it goes."""
+        if len(tasks) < self._asked:
+            self.drained = True
         placed: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}
         if not tasks:
             return placed, unplaced  # a claim that found nothing queued: no placer to build for it
         placer = self.placer
+        snaps = self.snaps
         d = self.dispatcher
         for t in tasks:
+            if self.leaves(t):
+                unplaced[t.id] = t.reason or ""
+                continue
             req = d.requirements_of(t)
             d._smaller(req.resources)
             result = placer.place(req)
@@ -209,6 +210,99 @@ class DispatchPass:
                 )
         self.room -= len(placed)
         return placed, unplaced
+
+
+class DispatchPass(_Placing):
+    """One pass's side of `Store.dispatch`: every connected node (kept between ticks, with the rows
+    changed since the last read folded in), and whether this pass looks at the whole window (for
+    reasons) or only at what the free room could take."""
+
+    def begin(self, changed: list[NodeRow], room: list[NodeRoomRow], horizon: int, operations: dict[str, int]) -> None:
+        d = self.dispatcher
+        d._remember_nodes(changed, room, horizon, operations)
+        d._snaps = with_operations(d._snaps, operations)
+        if self.whole_window:
+            d._smallest = None  # learnt again from the window's head, which this pass claims whole
+        self.room = placeable_at_most(d._snaps.values(), d._smallest)
+
+    @property
+    def snaps(self) -> dict[str, NodeSnapshot]:
+        return self.dispatcher._snaps
+
+    @property
+    def placer(self) -> Placer:
+        # Built when the first claimed task is placed: a pass on a full fleet claims nothing, and
+        # need not index every node for it (over 5,000 nodes, ~5 % of the server's samples).
+        if self._placer is None:
+            snaps = self.dispatcher._snaps
+            self._placer = Placer(
+                [snaps[k] for k in sorted(snaps)], policy=self.dispatcher.policy_name, derived=self.dispatcher._derived
+            )
+        return self._placer
+
+
+class RefillPass(_Placing):
+    """The placing side of a `Refill` (`Store.transition_decided`): queued tasks placed, in a group
+    commit of ends, on the nodes those ends freed and on nothing else. Their snapshots are the
+    dispatcher's, with the room read under the nodes' locks in that commit (the store reads only
+    nodes whose facts have not changed since the dispatcher read them); nothing of the dispatcher's
+    own snapshots is changed: its next pass reads the nodes this one reserved on."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        super().__init__(dispatcher, whole_window=False)
+        self._snaps: dict[str, NodeSnapshot] = {}
+
+    def begin(self, room: list[NodeRoomRow], operations: dict[str, int]) -> None:
+        d = self.dispatcher
+        self._placer = None
+        self.drained = False
+        try:
+            self._snaps = {
+                r.room_node: with_room(snap, r, d._gpus.get(r.room_node, ()), operations.get(r.room_node, 0))
+                for r in room if (snap := d._snaps.get(r.room_node)) is not None
+            }  # fmt: skip
+            self.room = placeable_at_most(self._snaps.values(), d._smallest)
+        except Exception:
+            self._failed()
+            self._snaps, self.room = {}, 0
+
+    def place(self, tasks: list[ClaimedTaskRow]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
+        try:
+            return super().place(tasks)
+        except Exception:
+            # nothing of it is written (the write comes after): the claimed tasks stay queued as they were
+            self._failed()
+            self.room = 0
+            return [], {t.id: t.reason or "" for t in tasks}
+
+    @staticmethod
+    def _failed() -> None:
+        # A fault in placing must not cost the commit its ends (nor close the streams that sent
+        # them): that commit places nothing, and the pass its ends wake places as it always did.
+        log.exception("placing queued tasks on the room a commit of ends freed failed; the next pass places them")
+
+    def want(self, claimed: int, limit: int) -> int:
+        # One claim, of what the room could take: a commit of ends does not claim on past tasks the
+        # freed nodes cannot run (it holds its reports' answers meanwhile); the next pass does.
+        self._asked = 0 if claimed or self.room <= 0 else min(limit, self.room)
+        return self._asked
+
+    def leaves(self, t: ClaimedTaskRow) -> bool:
+        # A task whose earlier attempts were lost or failed on some nodes tries the others first:
+        # among the freed nodes alone it might be put straight back on the one it just failed on
+        # (whose end freed it). The next pass places it, seeing every node.
+        return bool(t.avoid)
+
+    @property
+    def snaps(self) -> dict[str, NodeSnapshot]:
+        return self._snaps
+
+    @property
+    def placer(self) -> Placer:
+        if self._placer is None:
+            # a few nodes, each a new snapshot: nothing the dispatcher keeps derived would be reused
+            self._placer = Placer([self._snaps[k] for k in sorted(self._snaps)], policy=self.dispatcher.policy_name)
+        return self._placer
 
 
 class EarlyPush(Protocol):
@@ -264,6 +358,12 @@ class Dispatcher:
         # submissions handed to the next pass, each with what its handler waits for
         self._handed: list[tuple[Submissions, asyncio.Future[dict[uuid.UUID, TaskRow] | None]]] = []
         self._left_full = False  # the last pass left no room on the fleet (`SETTLE_WHEN_FULL`)
+        # Whether a queued task may be waiting for room: false once a claim drained the queue and
+        # placed all it claimed, true again after any other pass (one that claimed nothing knows
+        # nothing of the queue). A group commit of ends places on the room it frees only while this
+        # holds (`refill`): otherwise its claim would find nothing, a round trip in every commit.
+        self._queued_maybe = True
+        self.refills = True  # False once the loop is stopping: no commit of ends places anything then
 
     def take_submission(self, sub: Submissions) -> asyncio.Future[dict[uuid.UUID, TaskRow] | None] | None:
         """Take new tasks for the next pass, to store in its transaction before its claim, if this
@@ -330,6 +430,37 @@ class Dispatcher:
         metrics.DISPATCH_CLAIMED.inc(outcome.claimed)
         metrics.DISPATCH_REASONS_WRITTEN.inc(outcome.reasons_written)
         return outcome
+
+    def refill(self) -> Refill | None:
+        """What a group commit of ends places on the room it frees, in its own transaction (`Refill`),
+        or None when it should place nothing: this dispatcher is stopping, has not read the nodes
+        yet, its last pass did not leave the fleet full (queued tasks wait for something other than
+        room, which a few freed nodes would not give them), a claim since found the queue drained,
+        or it holds its placements (the gateway is behind, as for a pass). A node's next task is then
+        assigned by the commit of its last one's end, instead of by a pass that commit wakes, a
+        transaction of its own after it."""
+        if not (self.refills and self._left_full and self._queued_maybe) or self._horizon is None:
+            return None
+        if self.behind() > self.timing.provisioning_deadline * HOLD_SHARE:
+            return None
+        return Refill(
+            plan=RefillPass(self), claim_limit=self.timing.claim_limit, accept_seconds=self.timing.provisioning_deadline,
+            lease_seconds=self.timing.lease_ttl, actor=self.actor, reconcile_seconds=self.timing.reconcile,
+            horizon=self._horizon, assign_window=self.timing.assign_window,
+        )  # fmt: skip
+
+    def refilled(self, refill: Refill) -> None:
+        """A commit that placed on the room its ends freed (`refill`) has committed."""
+        out = refill.outcome
+        if out is None:
+            return
+        plan = refill.plan
+        assert isinstance(plan, RefillPass)
+        metrics.PLACEMENTS.inc(len(out.assigned))
+        metrics.REFILL_PLACEMENTS.inc(len(out.assigned))
+        metrics.DISPATCH_CLAIMED.inc(out.claimed)
+        if plan.drained and not out.unplaced:
+            self._queued_maybe = False
 
     def requirements_of(self, t: ClaimedTaskRow) -> Requirements:
         """The claimed row's requirements, decoded once per distinct row content: a queued task is
@@ -412,6 +543,7 @@ class Dispatcher:
         # no room left for a task of the smallest size claimed lately (a pass that found the window
         # full read no node: it says nothing of the room)
         self._left_full = not outcome.window_full and plan.room <= 0
+        self._queued_maybe = not (plan.drained and not outcome.unplaced)
         return outcome
 
     def _remember_nodes(self, changed: list[NodeRow], room: list[NodeRoomRow], horizon: int, operations: dict[str, int]) -> None:

@@ -86,6 +86,7 @@ class Scheduler:
         return {"scheduler.dispatch": self.dispatcher.loop.run, "scheduler.watchdog": self.watchdog.loop}
 
     async def close(self) -> None:
+        self.dispatcher.refills = False  # no commit of ends places anything once the loop is stopping
         self.dispatcher.release_handed()  # its loop is stopped: what it held goes back to the handlers
         await self.dispatcher.loop.close()
 

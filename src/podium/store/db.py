@@ -288,6 +288,45 @@ class DispatchPlan(Protocol):
         """Placements for these claimed tasks, and the queued reason of each one not placed."""
 
 
+class RefillPlan(Protocol):
+    """What places queued tasks on the room a group commit of ends freed, in that commit (the
+    dispatcher's side of `Store.transition_decided`'s `refill`): told the freed nodes as they are now,
+    it says how many queued tasks to claim and places them on those nodes alone."""
+
+    def begin(self, room: list[NodeRoomRow], operations: dict[str, int]) -> None:
+        """The reservations of the nodes whose attempts this commit ended (those that may be given
+        work), read under their locks, and their capacity operations now."""
+
+    def want(self, claimed: int, limit: int) -> int:
+        """How many more queued tasks to claim now, `claimed` being claimed already (0: stop)."""
+
+    def place(self, tasks: list[ClaimedTaskRow]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
+        """Placements for these claimed tasks on the freed nodes; the others stay queued as they were."""
+
+
+@dataclass(slots=True)
+class Refill:
+    """Queued tasks placed on the room a group commit of ends frees, in that commit's transaction
+    (`Store.transition_decided`): a node's next task is assigned in the commit that records its last
+    one's end, where a dispatch pass woken by that commit was a transaction of its own after it. The
+    same write as a pass's (`assign_tasks`: a conditional reservation on each node, a compare-and-set
+    on each claimed task), on the freed nodes only; a task they cannot take is left queued with the
+    reason it had (a pass that sees every node gives it its true one). `outcome` is what the
+    committed try made (None: nothing was freed, or no freed node may be given work)."""
+
+    plan: RefillPlan
+    claim_limit: int
+    accept_seconds: float
+    lease_seconds: float
+    actor: str
+    reconcile_seconds: float
+    # the horizon of the dispatcher's last read of the nodes: a node whose facts changed since is not
+    # placed on (the plan's snapshot of it may be out of date), but for its room
+    horizon: int
+    assign_window: int | None = None
+    outcome: DispatchOutcome | None = None
+
+
 class _Conn(Protocol):
     """What the store's methods use of a pooled connection, typed: rows are `_Record`s."""
 
@@ -735,6 +774,7 @@ class Store:
         *,
         ending: Collection[uuid.UUID] = (),
         logs: Sequence[tuple[uuid.UUID, int, str, int, int, bytes, str]] = (),
+        refill: Refill | None = None,
     ) -> tuple[list[Change], list[Transition | None]]:
         """Lock these tasks and read them, and lock the nodes of those in `ending` (the tasks whose
         changes may free a node's capacity: the caller's reported ends), in one statement; let
@@ -747,8 +787,14 @@ class Store:
         from the read.
 
         `logs` are output chunks (as `insert_logs` takes them) stored first, in the same transaction:
-        the output a node sent before an end is committed with that end, not in a commit before it."""
+        the output a node sent before an end is committed with that end, not in a commit before it.
+
+        With `refill`, the nodes whose attempts the changes ended (their rows locked already) are read
+        again once the changes are made, and queued tasks are placed on the room they have now, in the
+        same transaction (see `Refill`; its `outcome` says what was placed, and which Assigns to push)."""
         async with self._conn() as conn, conn.transaction():
+            if refill is not None:
+                refill.outcome = None  # a retried transaction places again, on what it reads then
             if logs:
                 await conn.execute(self.q["insert_logs"], *[list(c) for c in zip(*logs, strict=True)])
             read = TaskFactsRow.many(await conn.fetch(self.q["lock_task_facts"], list(task_ids), list(ending)))
@@ -760,7 +806,32 @@ class Store:
                 raise ValueError(f"changes to tasks that were not read and locked: {sorted(map(str, stray))}")
             locked = {r.id for r in read if r.id in ending}
             unlocked = any(c.end_attempt is not None and c.task_id not in locked for c in changes)
-            return changes, await self._made_in_layers(conn, changes, rows, lock_nodes=unlocked)
+            results = await self._made_in_layers(conn, changes, rows, lock_nodes=unlocked)
+            if refill is not None:
+                # every node an end was made on is locked by now (`_made_in_layers`, or the read)
+                freed = sorted({c.node_id for c, r in zip(changes, results, strict=True)
+                                if r is not None and c.end_attempt is not None and c.node_id is not None})  # fmt: skip
+                if freed:
+                    refill.outcome = await self._refill(conn, refill, freed)
+            return changes, results
+
+    async def _refill(self, conn: _Conn, refill: Refill, nodes: list[str]) -> DispatchOutcome | None:
+        """Place queued tasks on `nodes` (locked by this transaction) as they are now: their room read
+        under those locks, the window counted, the claim and the write as a dispatch pass makes them."""
+        window = refill.assign_window or 0
+        rows = await conn.fetch(self.q["refill_room"], nodes, window, refill.horizon)
+        if not rows:
+            return None  # none of them may be given work (draining, gone, revoked, changed since the plan's read)
+        out = DispatchOutcome(limit=refill.claim_limit)
+        if window:
+            out.limit = min(out.limit, window - rows[0]["in_flight"])
+            if out.limit <= 0:
+                out.window_full = True
+                return out
+        refill.plan.begin(NodeRoomRow.many(rows), {r["room_node"]: r["operations"] for r in rows})
+        return await self._claim_and_assign(conn, out, refill.accept_seconds, refill.lease_seconds, refill.plan,
+                                            refill.actor, refill.reconcile_seconds, [r["room_node"] for r in rows],
+                                            nodes_locked=True, write_reasons=False)  # fmt: skip
 
     async def _made_in_layers(
         self,
@@ -1025,6 +1096,10 @@ class Store:
             room = NodeRoomRow.many([r for r in rows if r["id"] is None and r["room_node"] is not None])
             operations = dict(zip(facts["operation_nodes"], facts["operations"], strict=True))
             plan.begin(nodes, room, facts["horizon"], operations)
+            if not submissions and plan.want(0, out.limit) <= 0:
+                # nothing to store and no room to place in: no transaction to open and commit (a pass
+                # woken by a commit of ends whose room that commit placed on already, `Refill`)
+                return out
             async with conn.transaction():
                 # new tasks first, visible to the claim below: stored and placed in one commit. No
                 # dispatcher is woken for them: this pass claims them, and one that cannot place
@@ -1059,12 +1134,18 @@ class Store:
         out: DispatchOutcome,
         accept_seconds: float,
         lease_seconds: float,
-        plan: DispatchPlan,
+        plan: DispatchPlan | RefillPlan,
         actor: str,
         reconcile_seconds: float,
         deliver_here: list[str],
         before_write: Callable[[list[OutboxRow]], bool] | None = None,
+        *,
+        nodes_locked: bool = False,
+        write_reasons: bool = True,
     ) -> DispatchOutcome:
+        """Claim, place and write (see `dispatch`). `nodes_locked`: every node `plan` may place on is
+        locked by this transaction already. Without `write_reasons`, a claimed task left unplaced keeps the
+        reason it had (`plan` saw only some of the nodes: it does not know the true one)."""
         claim_limit = out.limit
         claimed: list[uuid.UUID] = []
         claimed_rows: list[ClaimedTaskRow] = []
@@ -1098,7 +1179,8 @@ class Store:
             tokens: dict[uuid.UUID, int] = {}
             if early is None:
                 # its own statement: the assignment's snapshot must begin after these locks are held
-                await conn.execute(self.q["lock_nodes"], ids)
+                if not nodes_locked:
+                    await conn.execute(self.q["lock_nodes"], ids)
             else:
                 drawn = await conn.fetchrow(self.q["lock_nodes_drawing_tokens"], ids, len(early))
                 assert drawn is not None
@@ -1136,7 +1218,7 @@ class Store:
             elsewhere = sorted({r["node_id"] for r in rows if not r["here"]})
             if elsewhere:
                 await conn.execute(self.q["notify_nodes"], elsewhere)
-        if unplaced:
+        if unplaced and write_reasons:
             status = await conn.execute(self.q["set_queued_reasons"], list(unplaced), list(unplaced.values()))
             out.reasons_written = int(status.rsplit(" ", 1)[-1])
         return out

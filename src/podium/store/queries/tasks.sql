@@ -399,6 +399,27 @@ WITH t AS (
 -- for every row, it runs once, and reading `t` whole takes every task's lock before a node's)
 SELECT t.* FROM t WHERE (SELECT count(*) FROM n) >= 0
 
+-- refill_room --
+-- What a group commit of ends reads, in its own transaction, to place queued tasks on the room its
+-- ends freed (`Store.transition_decided`'s `refill`): for each of the nodes $1 (their rows locked by
+-- that transaction: what it reads stays true until it commits) that may be given work and whose
+-- facts (all placement reads of a node but its reservations) have not changed since $3, the horizon
+-- of the dispatcher's last read of the nodes (its snapshot of such a node is true but for the room):
+-- its reservations, the GPU indexes its attempts hold and its capacity operations now; beside each,
+-- the assignments not yet accepted by their node counted up to $2 (the window; 0: none). No row when
+-- no such node may be given work (a node left out is placed on by the next pass, which reads it).
+SELECT CASE WHEN $2::int > 0 THEN (SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state = 'assigned' LIMIT $2::int) x)::int
+            ELSE 0 END AS in_flight,
+       c.id AS room_node, c.res_cpu_millis AS room_cpu_millis, c.res_memory_bytes AS room_memory_bytes,
+       c.res_disk_bytes AS room_disk_bytes, c.res_gpus AS room_gpus, c.res_slots AS room_slots,
+       ARRAY(SELECT g.gpu_index FROM gpu_claims g WHERE g.node_id = c.id) AS gpus_in_use,
+       (SELECT count(*) FROM attempts a WHERE a.node_id = c.id AND a.finished_at IS NULL
+          AND a.state IN ('assigned', 'provisioning'))::int AS operations
+FROM nodes c
+WHERE c.id = ANY($1::text[]) AND c.connected AND c.health = 'online' AND NOT c.draining AND c.revoked_at IS NULL
+  AND c.facts_xid < $3::xid8
+ORDER BY c.id
+
 -- dispatch_facts --
 -- What a dispatch pass reads before it claims, in one round trip: the snapshot horizon (every
 -- transaction below it had ended when this statement began: node rows changed at or after it are read
