@@ -415,8 +415,10 @@ class Dispatcher:
         return None
 
     async def dispatch_once(self) -> DispatchOutcome:
-        self._left_full = False
+        # (`_left_full` keeps the last pass's word until this one ends: a commit of ends asks it
+        # meanwhile, `refill`, and a pass runs for a good share of a burst)
         if self.behind() > self.timing.provisioning_deadline * HOLD_SHARE:
+            self._left_full = False
             self.release_handed()  # not placed now: their handlers store them at once
             metrics.DISPATCH_HELD.inc()
             return DispatchOutcome(window_full=True)  # looked at again soon, like a full window
