@@ -281,3 +281,27 @@ async def test_the_report_batcher_places_on_the_room_its_ends_free_and_pushes_th
     assert (await store.get_task(t.id)).state == S.SUCCEEDED
     assert (await store.get_task(next_)).state == S.ASSIGNED
     assert metrics.REFILL_PLACEMENTS._value.get() == before + 1
+
+
+async def test_a_pass_under_way_leaves_the_last_passs_word_on_a_full_fleet(store: Store) -> None:
+    """A commit of ends may ask while a pass runs (a good share of a burst): it is told what the last
+    pass left, not 'not full' for the pass's length."""
+    import asyncio
+
+    sched, _running_, _waiting = await _full_fleet(store)
+    d = sched.dispatcher
+    dispatch = store.dispatch
+    started, go = asyncio.Event(), asyncio.Event()
+
+    async def slow(**kwargs: Any) -> Any:
+        started.set()
+        await go.wait()
+        return await dispatch(**kwargs)
+
+    store.dispatch = slow  # type: ignore[method-assign]
+    under_way = asyncio.create_task(sched.dispatch_once())
+    await asyncio.wait_for(started.wait(), 30)
+    assert d.refill() is not None
+    go.set()
+    out = await under_way
+    assert out.assigned == [] and d.refill() is not None  # still full
