@@ -305,3 +305,45 @@ async def test_a_pass_under_way_leaves_the_last_passs_word_on_a_full_fleet(store
     go.set()
     out = await under_way
     assert out.assigned == [] and d.refill() is not None  # still full
+
+
+async def _woken(store: Store, sub: Any) -> bool:
+    """Whether a dispatcher was woken (NOTIFY podium_dispatch) since the last look: a marker is sent
+    after, and notifications on one channel arrive in commit order, so whatever came before it was."""
+    import asyncio
+
+    async with store.pool.acquire() as c:
+        await c.execute("SELECT pg_notify('podium_dispatch', 'marker')")
+    heard = []
+    while not heard or heard[-1] != "marker":
+        heard.append((await asyncio.wait_for(sub.get(), 30)).payload)
+    return len(heard) > 1
+
+
+async def test_a_pass_is_woken_only_for_what_a_commits_own_placements_left(store: Store) -> None:
+    """A commit that placed on all the room its ends freed wakes no dispatcher (woken by every such
+    commit, passes ran a whole burst long to find no room); one whose placements left room wakes them,
+    as does an end made with no placement at all."""
+    sched, running, [next_] = await _full_fleet(store)
+    sub = await store.listen("podium_dispatch")
+    try:
+        assert not await _woken(store, sub)
+        first, second = [await store.get_task(tid) for tid in running]
+        assert first.node_id and first.fencing_token and second.node_id and second.fencing_token
+        refill = sched.dispatcher.refill()
+        assert refill is not None
+        await store.transition_decided([first.id], _ended(first.id, first.node_id, first.fencing_token), refill=refill)
+        assert refill.outcome is not None and [a[0] for a in refill.outcome.assigned] == [next_]
+        assert not await _woken(store, sub)  # the freed slot is taken: nothing for a pass
+        again = sched.dispatcher.refill()
+        assert again is not None
+        await store.transition_decided([second.id], _ended(second.id, second.node_id, second.fencing_token), refill=again)
+        assert again.outcome is not None and again.outcome.assigned == []
+        assert await _woken(store, sub)  # the queue is drained: the freed slot is a pass's to fill
+        # an end made with no placement wakes them as it always did
+        [(tid, tok)] = [(a[0], a[2]) for a in refill.outcome.assigned]
+        await _running(store, tid)
+        await store.transition_decided([tid], _ended(tid, first.node_id, tok))
+        assert await _woken(store, sub)
+    finally:
+        await sub.close()

@@ -293,6 +293,9 @@ class RefillPass(_Placing):
         # (whose end freed it). The next pass places it, seeing every node.
         return bool(t.avoid)
 
+    def room_left(self) -> bool:
+        return self.room > 0
+
     @property
     def snaps(self) -> dict[str, NodeSnapshot]:
         return self._snaps

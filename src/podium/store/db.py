@@ -303,6 +303,9 @@ class RefillPlan(Protocol):
     def place(self, tasks: list[ClaimedTaskRow]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
         """Placements for these claimed tasks on the freed nodes; the others stay queued as they were."""
 
+    def room_left(self) -> bool:
+        """Whether the freed nodes could still take a task after these placements."""
+
 
 @dataclass(slots=True)
 class Refill:
@@ -325,6 +328,8 @@ class Refill:
     horizon: int
     assign_window: int | None = None
     outcome: DispatchOutcome | None = None
+    # the committed try left room on a freed node, or could not read one (see `transition_decided`)
+    room_left: bool = False
 
 
 class _Conn(Protocol):
@@ -685,10 +690,10 @@ class Store:
         """
         async with self._conn() as c:
             if audit is None:
-                row = await c.fetchrow(self.q["transition_tasks"], [change.row()])
+                row = await c.fetchrow(self.q["transition_tasks"], [change.row()], True)
             else:
                 async with c.transaction():
-                    row = await c.fetchrow(self.q["transition_tasks"], [change.row()])
+                    row = await c.fetchrow(self.q["transition_tasks"], [change.row()], True)
                     if row is not None:
                         await c.execute(self.q["audit"], change.actor, audit.action, str(change.task_id), audit.detail)
         if row is None:
@@ -760,7 +765,7 @@ class Store:
         # `transition_tasks` takes its rows (`Change.row`) as one jsonb array of arrays
         rows = sorted((c.row() for c in changes), key=lambda r: r[0])
         async with self._conn() as conn:
-            made = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], rows)}
+            made = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], rows, True)}
         return [
             None if (r := made.get(c.task_id)) is None else Transition(r["id"], r["fencing_token"])
             for c in changes
@@ -806,13 +811,21 @@ class Store:
                 raise ValueError(f"changes to tasks that were not read and locked: {sorted(map(str, stray))}")
             locked = {r.id for r in read if r.id in ending}
             unlocked = any(c.end_attempt is not None and c.task_id not in locked for c in changes)
-            results = await self._made_in_layers(conn, changes, rows, lock_nodes=unlocked)
+            results = await self._made_in_layers(conn, changes, rows, lock_nodes=unlocked, wake_dispatch=refill is None)
             if refill is not None:
                 # every node an end was made on is locked by now (`_made_in_layers`, or the read)
                 freed = sorted({c.node_id for c, r in zip(changes, results, strict=True)
                                 if r is not None and c.end_attempt is not None and c.node_id is not None})  # fmt: skip
                 if freed:
                     refill.outcome = await self._refill(conn, refill, freed)
+                # A pass is woken only for what these placements left: room on a freed node (the
+                # queue drained, or its head fits none of them), a freed node they could not read, a
+                # task they left queued, or a task these changes queued (which a pass places seeing
+                # every node). Woken by every such commit, passes ran a burst long to find no room.
+                out = refill.outcome
+                queued = any(r is not None and c.to == TaskState.QUEUED for c, r in zip(changes, results, strict=True))
+                if queued or (freed and (out is None or out.window_full or out.unplaced or refill.room_left)):
+                    await conn.execute(self.q["wake_dispatch"])
             return changes, results
 
     async def _refill(self, conn: _Conn, refill: Refill, nodes: list[str]) -> DispatchOutcome | None:
@@ -820,6 +833,7 @@ class Store:
         under those locks, the window counted, the claim and the write as a dispatch pass makes them."""
         window = refill.assign_window or 0
         rows = await conn.fetch(self.q["refill_room"], nodes, window, refill.horizon)
+        refill.room_left = len(rows) < len(nodes)  # a node left out is a pass's to place on
         if not rows:
             return None  # none of them may be given work (draining, gone, revoked, changed since the plan's read)
         out = DispatchOutcome(limit=refill.claim_limit)
@@ -829,9 +843,12 @@ class Store:
                 out.window_full = True
                 return out
         refill.plan.begin(NodeRoomRow.many(rows), {r["room_node"]: r["operations"] for r in rows})
-        return await self._claim_and_assign(conn, out, refill.accept_seconds, refill.lease_seconds, refill.plan,
-                                            refill.actor, refill.reconcile_seconds, [r["room_node"] for r in rows],
-                                            nodes_locked=True, write_reasons=False)  # fmt: skip
+        try:
+            return await self._claim_and_assign(conn, out, refill.accept_seconds, refill.lease_seconds, refill.plan,
+                                                refill.actor, refill.reconcile_seconds, [r["room_node"] for r in rows],
+                                                nodes_locked=True, write_reasons=False)  # fmt: skip
+        finally:
+            refill.room_left = refill.room_left or refill.plan.room_left()
 
     async def _made_in_layers(
         self,
@@ -840,6 +857,7 @@ class Store:
         rows: Sequence[tuple[Any, ...]],
         *,
         lock_nodes: bool = False,
+        wake_dispatch: bool = True,
     ) -> list[Transition | None]:
         """Make `changes` (their `Change.row`s given) on a connection whose transaction holds their
         tasks' locks: one statement per layer — the first change of every task, then the second of
@@ -847,7 +865,9 @@ class Store:
         the state the one before it left. A later change of a task whose earlier one was refused is
         not tried (None). With `lock_nodes`, the nodes of the changes that end attempts are locked, in
         id order, just before the first layer that holds one (a `running` layer is written before
-        them): the caller holds the nodes' locks already otherwise."""
+        them): the caller holds the nodes' locks already otherwise. Without `wake_dispatch`, no
+        dispatcher is woken for the capacity the changes free or the tasks they queue: the caller
+        places on that room itself, and wakes them if that leaves anything (`transition_decided`)."""
         layers: list[list[int]] = []  # indexes into `changes`, one layer per rank of a task's changes
         rank: dict[uuid.UUID, int] = {}
         for i, c in enumerate(changes):
@@ -865,7 +885,7 @@ class Store:
             if lock_nodes and any(changes[i].end_attempt is not None for i in todo):
                 lock_nodes = False  # every ending change's node at once, in one ordered statement
                 await conn.execute(self.q["lock_nodes_of_tasks"], [c.task_id for c in changes if c.end_attempt is not None])
-            done = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], [rows[i] for i in todo])}
+            done = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], [rows[i] for i in todo], wake_dispatch)}
             made = set()
             for i in todo:
                 r = done.get(changes[i].task_id)
@@ -1126,7 +1146,7 @@ class Store:
                or c.fencing_token is None or c.node_id is None for c in changes):  # fmt: skip
             raise ValueError("a pass makes only acceptances of its own assignments (assigned → provisioning, by their node)")
         rows = sorted((c.row() for c in changes), key=lambda r: r[0])
-        return [r["fencing_token"] for r in await conn.fetch(self.q["transition_tasks"], rows)]
+        return [r["fencing_token"] for r in await conn.fetch(self.q["transition_tasks"], rows, True)]
 
     async def _claim_and_assign(
         self,

@@ -162,8 +162,10 @@ WITH d AS (
     FROM (SELECT DISTINCT node_id FROM (SELECT node_id, stop FROM ended UNION ALL SELECT node_id, stop FROM moved) y
           WHERE y.stop) x
 ), woke_dispatch AS (
+    -- ($2 false: the caller places on the room its changes free in the same transaction, and wakes
+    -- the dispatcher itself if that leaves anything for a pass, `Store.transition_decided`)
     SELECT count(pg_notify('podium_dispatch', '')) AS n
-    FROM (SELECT 1 WHERE EXISTS (SELECT 1 FROM freed) OR EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued')) z
+    FROM (SELECT 1 WHERE $2::boolean AND (EXISTS (SELECT 1 FROM freed) OR EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued'))) z
 )
 -- one row per change made, and nothing read per row from `ended` or `moved`: a CTE has no index, so
 -- a lookup in them for each row would be a scan for each row: quadratic in the batch, 20 ms of the
@@ -398,6 +400,11 @@ WITH t AS (
 -- (`n` is named in the WHERE only to run it: a SELECT in WITH that nothing reads is never run; true
 -- for every row, it runs once, and reading `t` whole takes every task's lock before a node's)
 SELECT t.* FROM t WHERE (SELECT count(*) FROM n) >= 0
+
+-- wake_dispatch --
+-- Wake every dispatcher once this transaction commits (a commit whose own placements left room, or
+-- a task they did not place).
+SELECT pg_notify('podium_dispatch', '')
 
 -- refill_room --
 -- What a group commit of ends reads, in its own transaction, to place queued tasks on the room its
