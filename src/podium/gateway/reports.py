@@ -17,6 +17,11 @@ this token; its lease needs the task's timeout, which the stream kept from that 
 command's end, which waits for its `running` to be committed, is committed that much sooner. What a
 row does not confirm is decided again on a read, as every other report is.
 
+A batch that ends attempts, while the dispatcher says tasks wait for room (`Refiller.refill`), also
+places queued tasks on the room its ends free, in its own transaction (`Store.transition_decided`'s
+`refill`): a node's next task is assigned by the commit of its last one's end, and its Assign is
+pushed once that commits, with the end's Ack.
+
 An acceptance of an Assign sent before its dispatch's COMMIT (its reports are held until that commit
 is known) may not come here at all: while the gateway has nothing else waiting for a group commit,
 that dispatch waits a few milliseconds for it and makes it in its own transaction
