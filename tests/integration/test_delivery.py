@@ -56,11 +56,17 @@ async def delivering(store: Store, security: Security) -> AsyncIterator[tuple[Ga
 
 
 def sent(s: Session, kind: str) -> list[Any]:
-    msgs = []
+    """The messages of `kind` queued on the stream, taken from it; the others stay queued, in order (a
+    Cancel the group commit queued while a test looked for its Assign is still there to be looked for)."""
+    msgs, others = [], []
     while not s.out.empty():
         m = s.out.get_nowait()
         if m is not None and m.WhichOneof("kind") == kind:
             msgs.append(getattr(m, kind))
+        else:
+            others.append(m)
+    for m in others:
+        s.out.put_nowait(m)
     return msgs
 
 
