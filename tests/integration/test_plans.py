@@ -5,6 +5,7 @@ an unkeyed session reads every row of `tasks` on each run as the table grows —
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 
@@ -238,6 +239,18 @@ async def test_the_event_hub_reads_on_a_session_that_plans_its_read_once(store: 
     cursor = await UiStore(store).start_cursor()
     for _ in range(3):
         await submit(store)  # three events after the cursor
+    # The hub reads only events older than every transaction running (its order): on a PostgreSQL
+    # server shared with other tests' databases, another's transaction may hold them back a moment.
+    # Once readable they stay so (a later transaction has a later id): wait for that, on another session.
+    probe = EventHub(store, UiStore(store))
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        probe.head, probe._rows, probe._keys = cursor, [], []
+        await probe._read()
+        if len(probe._rows) == 3:
+            break
+        assert asyncio.get_running_loop().time() < deadline, "the three events were held back for 30 s"
+        await asyncio.sleep(0.05)
     plans: dict[str, tuple[int, int]] = {}
     for name, generic in (("default", False), ("hub", True)):
         s = await Store.connect(db_url, min_size=1, max_size=1, keyed=generic, generic_plans=generic)
