@@ -29,6 +29,7 @@ in it, a new one too, is told its true reason within a tick.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import logging
@@ -144,7 +145,7 @@ def requirements(
     )
 
 
-class _Placing:
+class _Placing(abc.ABC):
     """What a dispatch pass and a refill share (`Store`'s `DispatchPlan` and `RefillPlan` but for
     `begin`): a placer over some of the nodes as they are now, a bound on how many tasks it could
     still place, how many to claim, and whether the claim drained the queue."""
@@ -158,12 +159,14 @@ class _Placing:
         self.drained = False  # a claim found fewer queued tasks than it asked for: none is left behind them
 
     @property
+    @abc.abstractmethod
     def snaps(self) -> dict[str, NodeSnapshot]:
-        raise NotImplementedError
+        """The nodes this placing sees, by id."""
 
     @property
+    @abc.abstractmethod
     def placer(self) -> Placer:
-        raise NotImplementedError
+        """The placer over `snaps`, built once."""
 
     def want(self, claimed: int, limit: int) -> int:
         if self.whole_window:
