@@ -799,7 +799,7 @@ class Store:
         same transaction (see `Refill`; its `outcome` says what was placed, and which Assigns to push)."""
         async with self._conn() as conn, conn.transaction():
             if refill is not None:
-                refill.outcome = None  # a retried transaction places again, on what it reads then
+                refill.outcome, refill.room_left = None, False  # a retried transaction places again, on what it reads then
             if logs:
                 await conn.execute(self.q["insert_logs"], *[list(c) for c in zip(*logs, strict=True)])
             read = TaskFactsRow.many(await conn.fetch(self.q["lock_task_facts"], list(task_ids), list(ending)))
@@ -820,11 +820,12 @@ class Store:
                     refill.outcome = await self._refill(conn, refill, freed)
                 # A pass is woken only for what these placements left: room on a freed node (the
                 # queue drained, or its head fits none of them), a freed node they could not read, a
-                # task they left queued, or a task these changes queued (which a pass places seeing
-                # every node). Woken by every such commit, passes ran a burst long to find no room.
+                # task they left queued (or whose node refused it), or a task these changes queued
+                # (which a pass places seeing every node). Woken by every such commit, passes ran a
+                # burst long to find no room.
                 out = refill.outcome
                 queued = any(r is not None and c.to == TaskState.QUEUED for c, r in zip(changes, results, strict=True))
-                if queued or (freed and (out is None or out.window_full or out.unplaced or refill.room_left)):
+                if queued or (freed and (out is None or out.window_full or out.unplaced or out.lost_races or refill.room_left)):
                     await conn.execute(self.q["wake_dispatch"])
             return changes, results
 
