@@ -7,7 +7,7 @@ from typing import Any
 
 from podium import reasons
 from podium.store import Store
-from tests.integration.helpers import add_node, node_row, place, scheduler, submit
+from tests.integration.helpers import add_node, node_row, place, scheduler, submit, tick
 
 
 async def test_no_node_gives_the_seed_reason(store: Store) -> None:
@@ -138,21 +138,6 @@ async def test_the_dispatcher_holds_while_its_gateway_is_behind_on_node_reports(
     assert [a[0] for a in out.assigned] == [tid]
 
 
-async def _tick(store: Store, sched: Any) -> Any:
-    """One pass of `sched`, after which its horizon is no lower than a transaction id this test took
-    just before the pass. A pass's own horizon is the xmin of its read's snapshot: on a PostgreSQL
-    server shared with other tests, a transaction open in another database holds it back, and the
-    next pass reads whole again a node this test changed nothing of since. This test's database has
-    no writer but the test itself, which had ended every earlier transaction of its own by then: the
-    higher horizon misses nothing here, and which rows come whole no longer depends on the machine."""
-    async with store.pool.acquire() as c:
-        taken = await c.fetchval("SELECT pg_current_xact_id()")
-    out = await sched.dispatch_once()
-    d = sched.dispatcher
-    d._horizon = max(d._horizon, taken)
-    return out
-
-
 def _watched(sched: Any) -> tuple[list[set[str]], list[set[str]]]:
     """What each pass of `sched` was given of the nodes: the ids read whole, and the ids of which only
     the reservations were read (appended pass by pass)."""
@@ -188,7 +173,7 @@ async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_ch
     await add_node(store, "n1", slots=1)
     await add_node(store, "n2", slots=1)
     t1, t2, t3 = [await submit(store) for _ in range(3)]
-    first = await _tick(store, sched)
+    first = await tick(store, sched)
     assert len(first.assigned) == 2 and whole[-1] == {"n1", "n2"}  # the first read is every node, whole
     assert set(first.unplaced.values()) == {reasons.FULL}
     # nothing changed: the next tick reads its own reservations only (made after its last read), and
@@ -198,23 +183,23 @@ async def test_a_dispatcher_keeps_its_nodes_between_ticks_and_reads_only_what_ch
         before = await conn.fetch(marks)
         await store.heartbeats([("n1", 1), ("n2", 1)], "test")
         assert await conn.fetch(marks) == before  # heartbeats changed nothing placement reads
-    again = await _tick(store, sched)
+    again = await tick(store, sched)
     assert again.assigned == [] and (whole[-1], room[-1]) == (set(), {"n1", "n2"})
     assert {s.id: s.reserved.slots for s in sched.dispatcher._snaps.values()} == {"n1": 1, "n2": 1}
-    # the tick after: nothing changed since (its horizon pinned, see _tick), nothing read
-    again = await _tick(store, sched)
+    # the tick after: nothing changed since (its horizon pinned, see `tick`), nothing read
+    again = await tick(store, sched)
     assert again.assigned == [] and (whole[-1], room[-1]) == (set(), set())
     # capacity freed on n1 is seen at the next tick: its reservations, read alone
     tid, node, tok = next(a for a in first.assigned if a[1] == "n1")
     assert await store.transition_task(tid, TaskState.ASSIGNED, TaskState.SUCCEEDED, actor="node", fencing_token=tok,
                                        node_id=node, exit_code=0, end_attempt=AttemptState.EXITED)  # fmt: skip
-    third = await _tick(store, sched)
+    third = await tick(store, sched)
     assert [a[1] for a in third.assigned] == ["n1"] and "n1" in room[-1] and "n1" not in whole[-1]
     # an operator's drain and a new node are seen too, whole
     await store.set_draining("n1", True)
     await add_node(store, "n3", slots=1)
     t4 = await submit(store)
-    fourth = await _tick(store, sched)
+    fourth = await tick(store, sched)
     assert [a[1] for a in fourth.assigned] == ["n3"] and whole[-1] >= {"n1", "n3"}
     assert sched.dispatcher._snaps["n1"].draining
     assert {t1, t2, t3, t4} >= {a[0] for a in first.assigned + third.assigned + fourth.assigned}
@@ -243,21 +228,21 @@ async def test_a_nodes_gpus_freed_and_taken_are_seen_through_its_reservations_al
         return list(attempts[-1].gpu_indexes)
 
     a = await one_gpu()
-    first = await _tick(store, sched)
+    first = await tick(store, sched)
     assert [x[0] for x in first.assigned] == [a] and whole[-1] == {"g1"}
     b = await one_gpu()
-    second = await _tick(store, sched)
+    second = await tick(store, sched)
     assert [x[0] for x in second.assigned] == [b] and (whole[-1], room[-1]) == (set(), {"g1"})
     assert sorted(await indexes(a) + await indexes(b)) == [0, 1]
     c = await one_gpu()
-    third = await _tick(store, sched)  # reads b's GPU taken (a pass remembers what it read, not what it placed)
+    third = await tick(store, sched)  # reads b's GPU taken (a pass remembers what it read, not what it placed)
     assert third.assigned == [] and list(third.unplaced) == [c] and (whole[-1], room[-1]) == (set(), {"g1"})
     assert sched.dispatcher._snaps["g1"].gpu_free == ()
     # a's end frees its GPU: read with the node's reservations alone, and handed to c
     _, node, tok = first.assigned[0]
     assert await store.transition_task(a, TaskState.ASSIGNED, TaskState.SUCCEEDED, actor="node", fencing_token=tok,
                                        node_id=node, exit_code=0, end_attempt=AttemptState.EXITED)  # fmt: skip
-    fourth = await _tick(store, sched)
+    fourth = await tick(store, sched)
     assert [x[0] for x in fourth.assigned] == [c] and "g1" in room[-1] and "g1" not in whole[-1]
     assert await indexes(c) == await indexes(a)
 
@@ -360,7 +345,7 @@ async def test_tasks_no_free_node_can_run_do_not_hide_the_ones_behind_them(store
         assert (await store.get_task(tid)).reason == reasons.WAITING  # not looked at yet
 
 
-async def test_a_task_not_looked_at_is_told_its_reason_within_a_tick(store: Store) -> None:
+async def test_a_task_not_looked_at_is_told_its_reason_within_atick(store: Store) -> None:
     """On a full fleet a new task is not claimed by the passes freed room wakes; the next look at the
     whole window (once a tick; a new scheduler's first pass) tells it why it waits, and writes only
     the reasons that changed."""

@@ -15,7 +15,7 @@ from podium.scheduler.service import Scheduler
 from podium.states import AttemptState, TaskState
 from podium.store import Change, Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, node_row, submit
+from tests.integration.helpers import add_node, node_row, submit, tick
 
 S = TaskState
 
@@ -23,20 +23,6 @@ S = TaskState
 def _scheduler(store: Store, **timing: Any) -> Scheduler:
     # a tick of an hour: only the first pass looks at the whole window
     return Scheduler(store, dataclasses.replace(DEFAULT_TIMING, tick=3600.0, **timing), server_id="test")
-
-
-async def _pass(store: Store, sched: Scheduler) -> Any:
-    """One pass, after which the dispatcher's horizon is no lower than a transaction id taken just
-    before it (see test_dispatch's `_tick`: on a PostgreSQL server shared with other tests, another
-    database's open transaction holds a snapshot's xmin back, and a node this test set up before the
-    pass would count as changed since it)."""
-    async with store.pool.acquire() as c:
-        taken = await c.fetchval("SELECT pg_current_xact_id()")
-    out = await sched.dispatch_once()
-    d = sched.dispatcher
-    assert d._horizon is not None
-    d._horizon = max(d._horizon, taken)
-    return out
 
 
 async def _running(store: Store, tid: uuid.UUID) -> tuple[str, int]:
@@ -71,7 +57,7 @@ async def _full_fleet(store: Store, queued: int = 1) -> tuple[Scheduler, list[uu
     sched = _scheduler(store)
     running = [await submit(store) for _ in range(2)]
     waiting = [await submit(store) for _ in range(queued)]
-    placed = await _pass(store, sched)  # the whole window: each task left queued is told why
+    placed = await tick(store, sched)  # the whole window: each task left queued is told why
     assert [a[0] for a in placed.assigned] == running and sched.dispatcher._left_full
     for tid in running:
         await _running(store, tid)
@@ -152,7 +138,7 @@ async def test_a_node_that_may_not_be_given_work_or_changed_since_the_dispatcher
     after = await store.get_task(next_)
     assert (after.state, after.reason) == (S.QUEUED, reasons.FULL)
     # the pass the ends wake reads the relabelled node and places there
-    out = await _pass(store, sched)
+    out = await tick(store, sched)
     assert [(a[0], a[1]) for a in out.assigned] == [(next_, relabelled.node_id)]
 
 
@@ -178,10 +164,10 @@ async def test_a_window_full_of_unaccepted_assignments_places_nothing_on_the_fre
     await add_node(store, "n2", slots=1)
     sched = _scheduler(store, assign_window=1)
     first = await submit(store)
-    await _pass(store, sched)
+    await tick(store, sched)
     node, tok = await _running(store, first)  # accepted: out of the window
     second, third = await submit(store), await submit(store)
-    out = await _pass(store, sched)
+    out = await tick(store, sched)
     assert [a[0] for a in out.assigned] == [second]  # on the other node, not accepted: the window is full
     assert sched.dispatcher._left_full
     refill = sched.dispatcher.refill()
@@ -220,11 +206,11 @@ async def test_the_dispatcher_offers_no_refill_it_should_not_make(store: Store) 
     d = sched.dispatcher
     assert d.refill() is None  # no node read yet
     tid = await submit(store)
-    await _pass(store, sched)
+    await tick(store, sched)
     assert not d._left_full and d.refill() is None  # the pass placed all it claimed, with room to spare
     await submit(store)
     await submit(store)
-    await _pass(store, sched)
+    await tick(store, sched)
     assert d._left_full and d.refill() is not None
     behind = [DEFAULT_TIMING.provisioning_deadline * HOLD_SHARE + 1]
     sched.hold_while_behind(lambda: behind[0])
