@@ -8,9 +8,11 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+from podium import reasons
 from podium.scheduler.service import Scheduler
 from podium.spec import TaskSpec
-from podium.store import Store
+from podium.states import AttemptState, TaskState
+from podium.store import Change, Store
 from podium.store.db import DEFAULT_MAX_OPERATIONS
 from podium.timing import DEFAULT_TIMING
 
@@ -103,3 +105,27 @@ async def looping(loop: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def to_running(store: Store, tid: uuid.UUID) -> tuple[str, int]:
+    """An assigned task accepted and started by its node, as its reports would: (node, fencing token)."""
+    t = await store.get_task(tid)
+    assert t.node_id is not None and t.fencing_token is not None
+    for a, b in ((TaskState.ASSIGNED, TaskState.PROVISIONING), (TaskState.PROVISIONING, TaskState.RUNNING)):
+        assert await store.transition_task(tid, a, b, actor=f"node:{t.node_id}", fencing_token=t.fencing_token,
+                                           node_id=t.node_id)  # fmt: skip
+    return t.node_id, t.fencing_token
+
+
+def ended(tid: uuid.UUID, node: str, tok: int, to: TaskState = TaskState.SUCCEEDED) -> Any:
+    """A `decide` for `Store.transition_decided`: the running task's end as its node reports it,
+    succeeded, or failed and (`to` queued) to be tried again."""
+
+    def decide(rows: Any) -> list[Change]:
+        assert rows[tid].state == TaskState.RUNNING
+        ok = to == TaskState.SUCCEEDED
+        return [Change(tid, TaskState.RUNNING, to, actor=f"node:{node}", fencing_token=tok, node_id=node, exit_code=0 if ok else 1,
+                       end_attempt=AttemptState.EXITED if ok else AttemptState.FAILED,
+                       reason=None if ok else reasons.RETRYABLE_ERROR)]  # fmt: skip
+
+    return decide

@@ -12,10 +12,10 @@ from typing import Any
 
 from podium import reasons
 from podium.scheduler.service import Scheduler
-from podium.states import AttemptState, TaskState
-from podium.store import Change, Store
+from podium.states import TaskState
+from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, node_row, submit, tick
+from tests.integration.helpers import add_node, ended, node_row, submit, tick, to_running
 
 S = TaskState
 
@@ -23,25 +23,6 @@ S = TaskState
 def _scheduler(store: Store, **timing: Any) -> Scheduler:
     # a tick of an hour: only the first pass looks at the whole window
     return Scheduler(store, dataclasses.replace(DEFAULT_TIMING, tick=3600.0, **timing), server_id="test")
-
-
-async def _running(store: Store, tid: uuid.UUID) -> tuple[str, int]:
-    t = await store.get_task(tid)
-    assert t.node_id is not None and t.fencing_token is not None
-    for a, b in ((S.ASSIGNED, S.PROVISIONING), (S.PROVISIONING, S.RUNNING)):
-        assert await store.transition_task(tid, a, b, actor=f"node:{t.node_id}", fencing_token=t.fencing_token,
-                                           node_id=t.node_id)  # fmt: skip
-    return t.node_id, t.fencing_token
-
-
-def _ended(tid: uuid.UUID, node: str, tok: int, to: TaskState = S.SUCCEEDED) -> Any:
-    def decide(rows: Any) -> list[Change]:
-        assert rows[tid].state == S.RUNNING
-        return [Change(tid, S.RUNNING, to, actor=f"node:{node}", fencing_token=tok, node_id=node, exit_code=0 if to == S.SUCCEEDED else 1,
-                       end_attempt=AttemptState.EXITED if to == S.SUCCEEDED else AttemptState.FAILED,
-                       reason=None if to == S.SUCCEEDED else reasons.RETRYABLE_ERROR)]  # fmt: skip
-
-    return decide
 
 
 async def _xmin(store: Store, tid: uuid.UUID) -> int:
@@ -60,7 +41,7 @@ async def _full_fleet(store: Store, queued: int = 1) -> tuple[Scheduler, list[uu
     placed = await tick(store, sched)  # the whole window: each task left queued is told why
     assert [a[0] for a in placed.assigned] == running and sched.dispatcher._left_full
     for tid in running:
-        await _running(store, tid)
+        await to_running(store, tid)
     for tid in waiting:
         t = await store.get_task(tid)
         assert t.state == S.QUEUED and t.reason == reasons.FULL
@@ -73,7 +54,7 @@ async def test_an_end_assigns_the_next_queued_task_to_its_node_in_its_own_commit
     assert t.node_id is not None and t.fencing_token is not None
     refill = sched.dispatcher.refill()
     assert refill is not None
-    _changes, results = await store.transition_decided([t.id], _ended(t.id, t.node_id, t.fencing_token), refill=refill)
+    _changes, results = await store.transition_decided([t.id], ended(t.id, t.node_id, t.fencing_token), refill=refill)
     assert results[0] is not None
     out = refill.outcome
     assert out is not None and [(a[0], a[1]) for a in out.assigned] == [(next_, t.node_id)]
@@ -97,7 +78,7 @@ async def test_an_end_assigns_the_next_queued_task_to_its_node_in_its_own_commit
     assert other.node_id is not None and other.fencing_token is not None
     again = sched.dispatcher.refill()
     assert again is not None
-    await store.transition_decided([other.id], _ended(other.id, other.node_id, other.fencing_token), refill=again)
+    await store.transition_decided([other.id], ended(other.id, other.node_id, other.fencing_token), refill=again)
     assert again.outcome is not None and (again.outcome.claimed, again.outcome.assigned) == (0, [])
     sched.dispatcher.refilled(again)
     assert sched.dispatcher.refill() is None
@@ -112,7 +93,7 @@ async def test_only_the_freed_nodes_are_placed_on_and_only_what_their_room_takes
     assert t.node_id is not None and t.fencing_token is not None
     refill = sched.dispatcher.refill()
     assert refill is not None
-    await store.transition_decided([t.id], _ended(t.id, t.node_id, t.fencing_token), refill=refill)
+    await store.transition_decided([t.id], ended(t.id, t.node_id, t.fencing_token), refill=refill)
     assert refill.outcome is not None
     assert [(a[0], a[1]) for a in refill.outcome.assigned] == [(waiting[0], t.node_id)]  # the oldest first
     assert refill.outcome.claimed == 1  # no more than the room could take
@@ -132,7 +113,7 @@ async def test_a_node_that_may_not_be_given_work_or_changed_since_the_dispatcher
         assert t.node_id is not None and t.fencing_token is not None
         refill = sched.dispatcher.refill()
         assert refill is not None
-        _changes, results = await store.transition_decided([t.id], _ended(t.id, t.node_id, t.fencing_token), refill=refill)
+        _changes, results = await store.transition_decided([t.id], ended(t.id, t.node_id, t.fencing_token), refill=refill)
         assert results[0] is not None and refill.outcome is None  # the end is made; nothing placed
         assert (await node_row(store, t.node_id))["res_slots"] == 0
     after = await store.get_task(next_)
@@ -151,7 +132,7 @@ async def test_a_task_that_failed_on_a_node_is_not_put_back_on_it_by_that_nodes_
     sched.dispatcher._queued_maybe = True  # as after a pass that left tasks waiting
     refill = sched.dispatcher.refill()
     assert refill is not None
-    _changes, results = await store.transition_decided([t.id], _ended(t.id, t.node_id, t.fencing_token, S.QUEUED), refill=refill)
+    _changes, results = await store.transition_decided([t.id], ended(t.id, t.node_id, t.fencing_token, S.QUEUED), refill=refill)
     assert results[0] is not None
     assert refill.outcome is not None and refill.outcome.assigned == [] and set(refill.outcome.unplaced) == {t.id}
     after = await store.get_task(t.id)
@@ -165,14 +146,14 @@ async def test_a_window_full_of_unaccepted_assignments_places_nothing_on_the_fre
     sched = _scheduler(store, assign_window=1)
     first = await submit(store)
     await tick(store, sched)
-    node, tok = await _running(store, first)  # accepted: out of the window
+    node, tok = await to_running(store, first)  # accepted: out of the window
     second, third = await submit(store), await submit(store)
     out = await tick(store, sched)
     assert [a[0] for a in out.assigned] == [second]  # on the other node, not accepted: the window is full
     assert sched.dispatcher._left_full
     refill = sched.dispatcher.refill()
     assert refill is not None
-    await store.transition_decided([first], _ended(first, node, tok), refill=refill)
+    await store.transition_decided([first], ended(first, node, tok), refill=refill)
     assert refill.outcome is not None and refill.outcome.window_full and refill.outcome.assigned == []
     assert (await store.get_task(third)).state == S.QUEUED
 
@@ -188,7 +169,7 @@ async def test_a_fault_in_placing_costs_the_commit_nothing_of_its_ends(store: St
         raise RuntimeError("a fault in placement")
 
     monkeypatch.setattr(sched.dispatcher, "requirements_of", broken)
-    _changes, results = await store.transition_decided([t.id], _ended(t.id, t.node_id, t.fencing_token), refill=refill)
+    _changes, results = await store.transition_decided([t.id], ended(t.id, t.node_id, t.fencing_token), refill=refill)
     assert results[0] is not None and (await store.get_task(t.id)).state == S.SUCCEEDED
     assert refill.outcome is not None and refill.outcome.assigned == []
     after = await store.get_task(next_)
@@ -318,18 +299,18 @@ async def test_a_pass_is_woken_only_for_what_a_commits_own_placements_left(store
         assert first.node_id and first.fencing_token and second.node_id and second.fencing_token
         refill = sched.dispatcher.refill()
         assert refill is not None
-        await store.transition_decided([first.id], _ended(first.id, first.node_id, first.fencing_token), refill=refill)
+        await store.transition_decided([first.id], ended(first.id, first.node_id, first.fencing_token), refill=refill)
         assert refill.outcome is not None and [a[0] for a in refill.outcome.assigned] == [next_]
         assert not await _woken(store, sub)  # the freed slot is taken: nothing for a pass
         again = sched.dispatcher.refill()
         assert again is not None
-        await store.transition_decided([second.id], _ended(second.id, second.node_id, second.fencing_token), refill=again)
+        await store.transition_decided([second.id], ended(second.id, second.node_id, second.fencing_token), refill=again)
         assert again.outcome is not None and again.outcome.assigned == []
         assert await _woken(store, sub)  # the queue is drained: the freed slot is a pass's to fill
         # an end made with no placement wakes them as it always did
         [(tid, tok)] = [(a[0], a[2]) for a in refill.outcome.assigned]
-        await _running(store, tid)
-        await store.transition_decided([tid], _ended(tid, first.node_id, tok))
+        await to_running(store, tid)
+        await store.transition_decided([tid], ended(tid, first.node_id, tok))
         assert await _woken(store, sub)
     finally:
         await sub.close()
