@@ -24,6 +24,10 @@ DISPATCH_HELD = Counter(
     "Dispatch passes that placed nothing because this server's node reports were too far behind "
     "(every new Assign's acceptance would queue behind them).",
 )
+DISPATCH_SKIPPED = Counter(
+    "podium_dispatch_skipped_total",
+    "Dispatch passes not run: woken only by capacity freed while the last look found no task queued.",
+)
 NODE_REPORT_LAG = Gauge(
     "podium_node_report_lag_seconds",
     "How long the oldest node report of the last group commit had waited when it was committed.",

@@ -42,7 +42,7 @@ from podium import metrics
 from podium.errors import StoreUnavailable
 from podium.placement import Derived, NodeSnapshot, Placer, Requirements, Resources, Unplaceable, placeable_at_most
 from podium.scheduler.woken import WokenLoop
-from podium.store import Change, Store
+from podium.store import ROOM_FREED, Change, Store
 from podium.store.db import DispatchOutcome, PlacementDecision, Refill, Submissions
 from podium.store.rows import ClaimedTaskRow, NodeRoomRow, NodeRow, OutboxRow, TaskRow
 from podium.timing import Timing
@@ -407,6 +407,9 @@ class Dispatcher:
         self._answer_handed(handed, [])
 
     async def _pass(self) -> float | None:
+        if self._nothing_to_look_for():
+            metrics.DISPATCH_SKIPPED.inc()
+            return None
         outcome = await self.dispatch_once()
         if outcome.window_full:
             # Nodes are behind on accepting what they were given; nothing wakes us when they
@@ -419,6 +422,20 @@ class Dispatcher:
         if outcome.claimed >= outcome.limit and outcome.assigned:
             return 0  # more may be waiting: don't sleep between full batches
         return None
+
+    def _nothing_to_look_for(self) -> bool:
+        """Whether the pass about to run would find nothing to place: it was woken only by capacity
+        being freed (`ROOM_FREED`: a task's end, a release proof, a commit of ends whose placements
+        left room), while this dispatcher's last look found the queue drained and placed all it
+        claimed, no submission waits for it, and the look at the whole window is not due. Such a
+        pass was a transaction of its own after every end on an idle fleet (a task run one at a time
+        paid for it beside its own way, both cores being busy then). A task queued since woke it
+        with another word (`''`: a submission, a requeue, a resolved image), as did a node's change;
+        the tick is the backstop for anything else, as for a lost notification."""
+        heard = self.loop.heard
+        if heard is None or heard - {ROOM_FREED} or self._queued_maybe or self._handed:
+            return False
+        return asyncio.get_running_loop().time() - self._window_looked_at < self.timing.tick
 
     async def dispatch_once(self) -> DispatchOutcome:
         # (`_left_full` keeps the last pass's word until this one ends: a commit of ends asks it

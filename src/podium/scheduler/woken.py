@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from podium.errors import StoreUnavailable
-from podium.store import Store, Subscription
+from podium.store import Notification, Store, Subscription
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,10 @@ class WokenLoop:
         self._not_before: float | None = None  # the next pass starts no sooner (`settle`)
         # between passes, waiting for a wake-up (not while a pass runs, nor while the store is down)
         self.idle = False
+        # What woke the pass under way: the payloads of the notifications heard, when nothing else did
+        # (None: the tick, a poke, or the last pass asked for this one). A pass may find in them that
+        # it has nothing to look for (`Dispatcher._pass`).
+        self.heard: frozenset[str] | None = None
 
     async def _listen(self) -> None:
         if self._sub is None or self._sub.closed:
@@ -68,7 +72,11 @@ class WokenLoop:
         await asyncio.sleep(wait)
         if self._sub is not None:
             # heard before the pass starts, so committed before it reads: that pass sees them
-            self._sub.drain()
+            self._heard(self._sub.drain())
+
+    def _heard(self, notifications: list[Notification]) -> None:
+        if self.heard is not None and notifications:
+            self.heard = self.heard | {n.payload for n in notifications}
 
     async def _woken(self) -> None:
         """Until a notification (every one heard meanwhile counts as the same wake-up), a poke or the
@@ -89,6 +97,7 @@ class WokenLoop:
             self.idle = False
             heard.cancel()
             poked.cancel()
+        poke = self._poked.is_set()
         self._poked.clear()
         failed = heard.exception() if heard.done() and not heard.cancelled() else None
         if isinstance(failed, StoreUnavailable):
@@ -96,7 +105,9 @@ class WokenLoop:
             return
         if failed is not None:
             raise failed
-        sub.drain()
+        if heard.done() and not heard.cancelled() and not poke:
+            self.heard = frozenset({heard.result().payload})
+        self._heard(sub.drain())
 
     async def run(self) -> None:
         while True:
@@ -107,6 +118,7 @@ class WokenLoop:
             except StoreUnavailable as e:
                 log.warning("%s: %s; retrying", self.name, e)
                 await self._drop()
+            self.heard = None
             if again is not None:
                 if again > 0:
                     await asyncio.sleep(again)

@@ -3,6 +3,6 @@
 (`podium.errors.StoreUnavailable`, `Contention`), hands out `Subscription`s rather than connections,
 and returns its own row types."""
 
-from podium.store.db import AuditEntry, Change, Notification, Store, Subscription, Transition
+from podium.store.db import ROOM_FREED, AuditEntry, Change, Notification, Store, Subscription, Transition
 
-__all__ = ["AuditEntry", "Change", "Notification", "Store", "Subscription", "Transition"]
+__all__ = ["ROOM_FREED", "AuditEntry", "Change", "Notification", "Store", "Subscription", "Transition"]

@@ -307,6 +307,13 @@ class RefillPlan(Protocol):
         """Whether the freed nodes could still take a task after these placements."""
 
 
+#: The payload of a `podium_dispatch` notification sent only because capacity was freed: no task was
+#: queued by the commit that sent it (transition_tasks, release_proofs, wake_dispatch). A dispatcher
+#: whose last look found the queue drained need not look for room no task waits for; any other
+#: notification (a task queued, a node changed) is a pass's to look at.
+ROOM_FREED = "room"
+
+
 @dataclass(slots=True)
 class Refill:
     """Queued tasks placed on the room a group commit of ends frees, in that commit's transaction
@@ -825,8 +832,11 @@ class Store:
                 # burst long to find no room.
                 out = refill.outcome
                 queued = any(r is not None and c.to == TaskState.QUEUED for c, r in zip(changes, results, strict=True))
-                if queued or (freed and (out is None or out.window_full or out.unplaced or out.lost_races or refill.room_left)):
-                    await conn.execute(self.q["wake_dispatch"])
+                waiting = out is not None and bool(out.window_full or out.unplaced or out.lost_races)
+                if queued or waiting:
+                    await conn.execute(self.q["wake_dispatch"], "")  # a task waits: any dispatcher looks
+                elif freed and (out is None or refill.room_left):
+                    await conn.execute(self.q["wake_dispatch"], ROOM_FREED)
             return changes, results
 
     async def _refill(self, conn: _Conn, refill: Refill, nodes: list[str]) -> DispatchOutcome | None:

@@ -163,9 +163,12 @@ WITH d AS (
           WHERE y.stop) x
 ), woke_dispatch AS (
     -- ($2 false: the caller places on the room its changes free in the same transaction, and wakes
-    -- the dispatcher itself if that leaves anything for a pass, `Store.transition_decided`)
-    SELECT count(pg_notify('podium_dispatch', '')) AS n
-    FROM (SELECT 1 WHERE $2::boolean AND (EXISTS (SELECT 1 FROM freed) OR EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued'))) z
+    -- the dispatcher itself if that leaves anything for a pass, `Store.transition_decided`). Said
+    -- 'room' when the changes only freed capacity: a dispatcher that knows its queue drained need not
+    -- look (`Dispatcher._pass`); '' when they queued a task, which any dispatcher must look for
+    SELECT count(pg_notify('podium_dispatch', z.why)) AS n
+    FROM (SELECT CASE WHEN EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued') THEN '' ELSE 'room' END AS why
+          WHERE $2::boolean AND (EXISTS (SELECT 1 FROM freed) OR EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued'))) z
 )
 -- one row per change made, and nothing read per row from `ended` or `moved`: a CTE has no index, so
 -- a lookup in them for each row would be a scan for each row: quadratic in the batch, 20 ms of the
@@ -403,8 +406,9 @@ SELECT t.* FROM t WHERE (SELECT count(*) FROM n) >= 0
 
 -- wake_dispatch --
 -- Wake every dispatcher once this transaction commits (a commit whose own placements left room, or
--- a task they did not place).
-SELECT pg_notify('podium_dispatch', '')
+-- a task they did not place). $1 is why: 'room' when only capacity was left free, '' otherwise (as
+-- transition_tasks says it).
+SELECT pg_notify('podium_dispatch', $1::text)
 
 -- refill_room --
 -- What a group commit of ends reads, in its own transaction, to place queued tasks on the room its
@@ -696,7 +700,8 @@ WITH d AS (
 ), unclaimed AS (
     DELETE FROM gpu_claims g USING proved p WHERE g.fencing_token = p.fencing_token AND p.gpus > 0 AND p.released
 ), {{freed: proved WHERE proved.released}}, woke AS (
-    SELECT count(pg_notify('podium_dispatch', '')) AS n FROM (SELECT 1 WHERE EXISTS (SELECT 1 FROM freed)) z
+    -- capacity freed, nothing queued: 'room' (see transition_tasks)
+    SELECT count(pg_notify('podium_dispatch', 'room')) AS n FROM (SELECT 1 WHERE EXISTS (SELECT 1 FROM freed)) z
 )
 SELECT p.task_id, p.fencing_token, p.released, (SELECT n FROM woke) AS woke FROM proved p
 

@@ -1,0 +1,216 @@
+"""What wakes a dispatcher, and which wake-ups it need not answer with a pass, against real PostgreSQL:
+a commit that only frees capacity says so (`ROOM_FREED`), one that queues a task does not; a
+dispatcher whose last look found the queue drained runs no pass for room no task waits for, and
+still looks for a task queued since, for room while a task waits, and at the whole window's tick."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from podium.scheduler.service import Scheduler
+from podium.scheduler.woken import WokenLoop
+from podium.spec import TaskSpec
+from podium.states import TaskState
+from podium.store import ROOM_FREED, Store, Subscription
+from podium.timing import DEFAULT_TIMING
+from tests.integration.helpers import add_node, ended, submit, tick, to_running
+
+S = TaskState
+WAIT = 30.0  # seconds a condition may take on a slow, busy machine
+# No pass of the loop's own (the tick) but the first: every other pass here is one a wake-up brought.
+TIMING = dataclasses.replace(DEFAULT_TIMING, tick=3600.0)
+
+
+async def until(cond: Callable[[], bool], what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not within {WAIT:.0f}s: {what}")
+        await asyncio.sleep(0.01)
+
+
+async def heard(store: Store, sub: Subscription) -> list[str]:
+    """The payloads of the `podium_dispatch` notifications committed since the last look: a marker is
+    sent after them, and one channel's notifications arrive in commit order."""
+    async with store.pool.acquire() as c:
+        await c.execute("SELECT pg_notify('podium_dispatch', 'marker')")
+    got: list[str] = []
+    while not got or got[-1] != "marker":
+        got.append((await asyncio.wait_for(sub.get(), WAIT)).payload)
+    return got[:-1]
+
+
+def skipped() -> float:
+    return REGISTRY.get_sample_value("podium_dispatch_skipped_total") or 0.0
+
+
+@asynccontextmanager
+async def running(sched: Scheduler) -> AsyncIterator[list[int]]:
+    """The dispatch loop running, idle when this yields; the list counts the passes it ran."""
+    d = sched.dispatcher
+    passes = [0]
+    inner = d.dispatch_once
+
+    async def counted() -> Any:
+        passes[0] += 1
+        return await inner()
+
+    d.dispatch_once = counted  # type: ignore[method-assign]
+    task = asyncio.get_running_loop().create_task(d.loop.run())
+    try:
+        await until(lambda: d.loop.idle, "the dispatch loop waits for a wake-up")
+        passes[0] = 0  # its first pass, on starting
+        yield passes
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await d.loop.close()
+
+
+async def test_a_commit_says_whether_it_only_freed_room(store: Store) -> None:
+    """An end frees capacity and queues nothing: 'room'. A failed attempt whose task goes back to the
+    queue, and a submission, queue a task: any other word. The commit of ends that placed on its room
+    says 'room' for what its placements left free once the queue is drained."""
+    await add_node(store, "n1", slots=4)
+    sched = Scheduler(store, TIMING, server_id="test")
+    tasks = [await submit(store) for _ in range(3)]
+    await tick(store, sched)
+    sub = await store.listen("podium_dispatch")
+    try:
+        assert await heard(store, sub) == []
+        node, tok = await to_running(store, tasks[0])
+        assert await heard(store, sub) == []  # an acceptance and a start free nothing
+        await store.transition_decided([tasks[0]], ended(tasks[0], node, tok))
+        assert await heard(store, sub) == [ROOM_FREED]
+        node, tok = await to_running(store, tasks[1])
+        await store.transition_decided([tasks[1]], ended(tasks[1], node, tok, to=S.QUEUED))
+        assert (await store.get_task(tasks[1])).state == S.QUEUED
+        assert await heard(store, sub) == [""]  # freed, and a task queued: a pass must look
+        await submit(store)
+        assert await heard(store, sub) == [""]
+        # a commit of ends placing on the room it frees: the queue (the two tasks above) drained, a
+        # slot left free on the node
+        await tick(store, sched)
+        node, tok = await to_running(store, tasks[2])
+        assert sched.dispatcher.refill() is None  # the fleet was not full: no commit of ends places anything
+        # as if the last pass had left the fleet full with tasks waiting
+        sched.dispatcher._left_full = sched.dispatcher._queued_maybe = True
+        refill = sched.dispatcher.refill()
+        assert refill is not None
+        await store.transition_decided([tasks[2]], ended(tasks[2], node, tok), refill=refill)
+        assert refill.outcome is not None and refill.outcome.assigned == [] and refill.room_left
+        assert await heard(store, sub) == [ROOM_FREED]
+    finally:
+        await sub.close()
+
+
+async def test_an_end_on_a_drained_queue_runs_no_pass_and_a_task_queued_since_is_placed(store: Store) -> None:
+    """One task at a time on an idle fleet: the pass that placed it drained the queue, so its end's
+    wake-up (room, and nothing else) is answered with no pass, where each was a transaction of its own.
+    A task queued after that wakes the dispatcher with its own word, and is placed."""
+    await add_node(store, "n1", slots=2)
+    sched = Scheduler(store, TIMING, server_id="test")
+    d = sched.dispatcher
+    async with running(sched) as passes:
+        [(row, created)] = await sched.submit_many([(TaskSpec(command=["true"]), None)], actor="op")
+        assert created and (await store.get_task(row.id)).state == S.ASSIGNED
+        assert passes[0] == 1 and not d._queued_maybe
+        await until(lambda: d.loop.idle, "the dispatch loop waits for a wake-up")
+        node, tok = await to_running(store, row.id)
+        before = skipped()
+        await store.transition_decided([row.id], ended(row.id, node, tok))
+        await until(lambda: skipped() == before + 1, "the end's wake-up was heard and answered")
+        assert passes[0] == 1  # no pass for it
+        # stored by a handler of its own (as when the dispatcher is busy), or by another server
+        late = await submit(store)
+        await until(lambda: passes[0] == 2, "a pass for the task queued since")
+        await until(lambda: d.loop.idle, "the pass ended")
+        assert (await store.get_task(late)).state == S.ASSIGNED
+        assert skipped() == before + 1
+
+
+async def test_room_freed_while_a_task_waits_is_looked_at(store: Store) -> None:
+    """A task the last pass could not place (the node full) is placed by the pass the end's 'room'
+    brings: the dispatcher knows a task may wait (and the fleet full, it settles before that pass)."""
+    await add_node(store, "n1", slots=1)
+    sched = Scheduler(store, TIMING, server_id="test")
+    d = sched.dispatcher
+    async with running(sched) as passes:
+        [(first, _)] = await sched.submit_many([(TaskSpec(command=["true"]), None)], actor="op")
+        await until(lambda: d.loop.idle, "the dispatch loop waits for a wake-up")
+        [(second, _)] = await sched.submit_many([(TaskSpec(command=["true"]), None)], actor="op")
+        assert (await store.get_task(second.id)).state == S.QUEUED  # no room for it: stored, left queued
+        assert d._queued_maybe
+        await until(lambda: d.loop.idle, "the dispatch loop waits for a wake-up")
+        ran, before = passes[0], skipped()
+        node, tok = await to_running(store, first.id)
+        await store.transition_decided([first.id], ended(first.id, node, tok))
+        await until(lambda: passes[0] > ran, "a pass for the room the end freed")
+        await until(lambda: d.loop.idle, "the pass ended")
+        placed = await store.get_task(second.id)
+        assert (placed.state, placed.node_id) == (S.ASSIGNED, "n1")
+        assert skipped() == before
+
+
+async def test_which_wake_ups_need_no_pass(store: Store) -> None:
+    """The rule itself, on a real dispatcher: only 'room', with the queue drained, nothing handed to
+    it, and the whole window's look not due."""
+    await add_node(store, "n1", slots=2)
+    sched = Scheduler(store, TIMING, server_id="test")
+    d = sched.dispatcher
+    await tick(store, sched)  # an empty queue: drained, the whole window looked at just now
+    assert not d._queued_maybe
+    for woke, expected in ((None, False), (frozenset({ROOM_FREED}), True), (frozenset({ROOM_FREED, ""}), False),
+                           (frozenset({""}), False)):  # fmt: skip
+        d.loop.heard = woke
+        assert d._nothing_to_look_for() is expected, woke
+    d.loop.heard = frozenset({ROOM_FREED})
+    d._queued_maybe = True
+    assert not d._nothing_to_look_for()  # a task may wait for that room
+    d._queued_maybe = False
+    d._window_looked_at -= TIMING.tick  # the whole window is due: every queued task told its reason
+    assert not d._nothing_to_look_for()
+
+
+async def test_a_woken_loop_says_what_woke_each_pass(store: Store) -> None:
+    """`WokenLoop.heard`: the payloads heard since the last pass when notifications alone woke it;
+    None when a poke did, or the last pass asked for this one."""
+    seen: list[frozenset[str] | None] = []
+    gate = [asyncio.Event() for _ in range(4)]
+    again = [None, None, 0, None]
+
+    async def run_pass() -> float | None:
+        seen.append(woken.heard)
+        n = len(seen) - 1
+        gate[n].set()
+        return again[n] if n < len(again) else None
+
+    async def notify(*payloads: str) -> None:
+        async with store.pool.acquire() as c, c.transaction():
+            for p in payloads:
+                await c.execute("SELECT pg_notify('podium_test_heard', $1)", p)
+
+    woken = WokenLoop("test", store, "podium_test_heard", 3600.0, run_pass)
+    task = asyncio.create_task(woken.run())
+    try:
+        await asyncio.wait_for(gate[0].wait(), WAIT)  # the first pass: nothing heard yet
+        await until(lambda: woken.idle, "waiting for a wake-up")
+        await notify("a", "b")  # one commit, two words
+        await asyncio.wait_for(gate[1].wait(), WAIT)
+        await until(lambda: woken.idle, "waiting for a wake-up")
+        woken.poke()
+        await asyncio.wait_for(gate[2].wait(), WAIT)  # it asks for the next at once (0)
+        await asyncio.wait_for(gate[3].wait(), WAIT)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await woken.close()
+    assert seen == [None, frozenset({"a", "b"}), None, None]
