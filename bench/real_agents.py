@@ -160,11 +160,13 @@ def _nodes(b: Bench) -> list:  # type: ignore[type-arg]
         return []
 
 
-#: The dispatcher's own counters, read from the server's /metrics around each mode: passes, rows it
+#: The dispatcher's own counters, read from the server's /metrics around each mode: passes (and the
+#: wake-ups of freed room alone it answered with none, the queue being drained), rows it
 #: claimed (locked and placed or given a reason), reasons it wrote, placements (and of those, the ones
 #: a group commit of ends made on the room it freed). A build that has no such counter prints none.
 DISPATCH_COUNTERS = {
     "passes": "podium_dispatch_seconds_count",
+    "passes_skipped": "podium_dispatch_skipped_total",
     "claimed": "podium_dispatch_claimed_total",
     "reasons_written": "podium_dispatch_reasons_written_total",
     "placements": "podium_placements_total",
@@ -315,7 +317,7 @@ def summary(r: dict) -> str:  # type: ignore[type-arg]
     if "submit_to_first_instruction_ms" in r:
         lines.append(f"  submit → first instruction p50/p99 {pr('submit_to_first_instruction_ms')}")
     if d := r.get("dispatch"):
-        lines.append(f"  dispatcher over the {r['mode']} run: " + ", ".join(f"{k} {d[k]:g}" for k in list(DISPATCH_COUNTERS)[:5] if k in d))
+        lines.append(f"  dispatcher over the {r['mode']} run: " + ", ".join(f"{k} {d[k]:g}" for k in list(DISPATCH_COUNTERS)[:6] if k in d))
         if d.get("passes"):
             lines[-1] += f", {d['dispatch_seconds'] * 1000 / d['passes']:.1f} ms a pass"
         if d.get("report_commits"):
