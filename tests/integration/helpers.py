@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from podium import reasons
@@ -15,6 +15,17 @@ from podium.states import AttemptState, TaskState
 from podium.store import Change, Store
 from podium.store.db import DEFAULT_MAX_OPERATIONS
 from podium.timing import DEFAULT_TIMING
+
+WAIT = 30.0  # seconds a condition may take on a slow, busy machine
+
+
+async def until(cond: Callable[[], bool], what: str) -> None:
+    """Wait for `cond` (checked every 10 ms), or fail saying what did not happen within WAIT."""
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not within {WAIT:.0f}s: {what}")
+        await asyncio.sleep(0.01)
 
 
 async def add_node(store: Store, node_id: str = "n1", *, slots: int = 4, cpu: int = 4000, memory: int = 8 * 2**30,

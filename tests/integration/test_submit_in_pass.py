@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,21 +18,12 @@ from podium.scheduler.service import Scheduler
 from podium.spec import TaskSpec
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, place, submit
+from tests.integration.helpers import WAIT, add_node, place, submit, until
 
-WAIT = 30.0  # seconds a condition may take on a slow, busy machine
 # No pass of the loop's own (the tick): a test's submission must find the dispatcher idle, and a pass
 # the tick began at that moment would make it the handler's, on a machine of any speed. Every pass
 # here is one a submission, a NOTIFY or the test asked for.
 TIMING = dataclasses.replace(DEFAULT_TIMING, tick=3600.0)
-
-
-async def until(cond: Callable[[], bool], what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + WAIT
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"not within {WAIT:.0f}s: {what}")
-        await asyncio.sleep(0.01)
 
 
 @asynccontextmanager
