@@ -12,7 +12,7 @@ from podium import reasons
 from podium.scheduler.service import Scheduler
 from podium.spec import TaskSpec
 from podium.states import AttemptState, TaskState
-from podium.store import Change, Store
+from podium.store import Change, Store, Subscription
 from podium.store.db import DEFAULT_MAX_OPERATIONS
 from podium.timing import DEFAULT_TIMING
 
@@ -140,3 +140,14 @@ def ended(tid: uuid.UUID, node: str, tok: int, to: TaskState = TaskState.SUCCEED
                        reason=None if ok else reasons.RETRYABLE_ERROR)]  # fmt: skip
 
     return decide
+
+
+async def heard(store: Store, sub: Subscription) -> list[str]:
+    """The payloads of the `podium_dispatch` notifications committed since the last look (`sub` LISTENs
+    on it): a marker is sent after them, and one channel's notifications arrive in commit order."""
+    async with store.pool.acquire() as c:
+        await c.execute("SELECT pg_notify('podium_dispatch', 'marker')")
+    got: list[str] = []
+    while not got or got[-1] != "marker":
+        got.append((await asyncio.wait_for(sub.get(), WAIT)).payload)
+    return got[:-1]

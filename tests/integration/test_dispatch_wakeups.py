@@ -18,24 +18,13 @@ from podium.scheduler.service import Scheduler
 from podium.scheduler.woken import WokenLoop
 from podium.spec import TaskSpec
 from podium.states import TaskState
-from podium.store import ROOM_FREED, Store, Subscription
+from podium.store import ROOM_FREED, Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import WAIT, add_node, ended, submit, tick, to_running, until
+from tests.integration.helpers import WAIT, add_node, ended, heard, submit, tick, to_running, until
 
 S = TaskState
 # No pass of the loop's own (the tick) but the first: every other pass here is one a wake-up brought.
 TIMING = dataclasses.replace(DEFAULT_TIMING, tick=3600.0)
-
-
-async def heard(store: Store, sub: Subscription) -> list[str]:
-    """The payloads of the `podium_dispatch` notifications committed since the last look: a marker is
-    sent after them, and one channel's notifications arrive in commit order."""
-    async with store.pool.acquire() as c:
-        await c.execute("SELECT pg_notify('podium_dispatch', 'marker')")
-    got: list[str] = []
-    while not got or got[-1] != "marker":
-        got.append((await asyncio.wait_for(sub.get(), WAIT)).payload)
-    return got[:-1]
 
 
 def skipped() -> float:

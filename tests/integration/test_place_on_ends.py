@@ -15,7 +15,7 @@ from podium.scheduler.service import Scheduler
 from podium.states import TaskState
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, ended, node_row, submit, tick, to_running
+from tests.integration.helpers import add_node, ended, heard, node_row, submit, tick, to_running
 
 S = TaskState
 
@@ -274,19 +274,6 @@ async def test_a_pass_under_way_leaves_the_last_passs_word_on_a_full_fleet(store
     assert out.assigned == [] and d.refill() is not None  # still full
 
 
-async def _woken(store: Store, sub: Any) -> bool:
-    """Whether a dispatcher was woken (NOTIFY podium_dispatch) since the last look: a marker is sent
-    after, and notifications on one channel arrive in commit order, so whatever came before it was."""
-    import asyncio
-
-    async with store.pool.acquire() as c:
-        await c.execute("SELECT pg_notify('podium_dispatch', 'marker')")
-    heard = []
-    while not heard or heard[-1] != "marker":
-        heard.append((await asyncio.wait_for(sub.get(), 30)).payload)
-    return len(heard) > 1
-
-
 async def test_a_pass_is_woken_only_for_what_a_commits_own_placements_left(store: Store) -> None:
     """A commit that placed on all the room its ends freed wakes no dispatcher (woken by every such
     commit, passes ran a whole burst long to find no room); one whose placements left room wakes them,
@@ -294,23 +281,23 @@ async def test_a_pass_is_woken_only_for_what_a_commits_own_placements_left(store
     sched, running, [next_] = await _full_fleet(store)
     sub = await store.listen("podium_dispatch")
     try:
-        assert not await _woken(store, sub)
+        assert not await heard(store, sub)
         first, second = [await store.get_task(tid) for tid in running]
         assert first.node_id and first.fencing_token and second.node_id and second.fencing_token
         refill = sched.dispatcher.refill()
         assert refill is not None
         await store.transition_decided([first.id], ended(first.id, first.node_id, first.fencing_token), refill=refill)
         assert refill.outcome is not None and [a[0] for a in refill.outcome.assigned] == [next_]
-        assert not await _woken(store, sub)  # the freed slot is taken: nothing for a pass
+        assert not await heard(store, sub)  # the freed slot is taken: nothing for a pass
         again = sched.dispatcher.refill()
         assert again is not None
         await store.transition_decided([second.id], ended(second.id, second.node_id, second.fencing_token), refill=again)
         assert again.outcome is not None and again.outcome.assigned == []
-        assert await _woken(store, sub)  # the queue is drained: the freed slot is a pass's to fill
+        assert await heard(store, sub)  # the queue is drained: the freed slot is a pass's to fill
         # an end made with no placement wakes them as it always did
         [(tid, tok)] = [(a[0], a[2]) for a in refill.outcome.assigned]
         await to_running(store, tid)
         await store.transition_decided([tid], ended(tid, first.node_id, tok))
-        assert await _woken(store, sub)
+        assert await heard(store, sub)
     finally:
         await sub.close()
