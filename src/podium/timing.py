@@ -4,7 +4,8 @@ reading the code finds the whole policy in one place.
 The defaults are the seed's canonical numbers: heartbeat every 10s, unreachable at 30s, offline at
 120s, a 15s provisioning deadline, a 30s SIGTERM→SIGKILL grace on the node and 60s before the server
 gives up waiting for a cancelled task's node. `PODIUM_TEST_FAST_TIMERS=1` divides every duration by
-ten (`FAST_TIMER_DIVISOR`); `claim_limit` and `assign_window` are counts, not durations, and are never touched.
+ten (`FAST_TIMER_DIVISOR`); `claim_limit`, `place_limit` and `assign_window` are counts, not durations (`COUNTS`),
+and are never touched.
 """
 
 from __future__ import annotations
@@ -58,8 +59,14 @@ class Timing:
     # holding claims loses them at the expiry, and another replica checks those attempts.
     reconcile: float = 30.0
     reconcile_claim: float = 60.0
-    # How many queued tasks one dispatch tick considers. A batch size, not a duration.
+    # How many queued tasks the once-a-tick look at the whole window considers, each told its true
+    # reason. A count, not a duration.
     claim_limit: int = 512
+    # How many queued tasks one dispatch pass may claim and place while the fleet has room for them.
+    # A pass costs its round trips whatever its size, each waiting its turn on a busy event loop: on
+    # 5,000 nodes with a backlog, passes of 512 came back to back every ~250 ms and bounded
+    # placement; passes of 1,024 placed a fifth more a second (docs/benchmarks.md). A count.
+    place_limit: int = 1024
     # How many assignments may wait for their node's "provisioning" at once, over the whole fleet.
     # Past it the dispatcher waits: placing faster than the nodes' reports can be recorded only
     # builds a backlog in which healthy nodes miss their accept deadlines. A count, not a duration.
@@ -67,13 +74,12 @@ class Timing:
 
     def scaled(self, divisor: float) -> Timing:
         """Every duration divided by `divisor`; the counts untouched."""
-        changes = {
-            f.name: getattr(self, f.name) / divisor
-            for f in dataclasses.fields(self)
-            if f.name not in ("claim_limit", "assign_window")
-        }
+        changes = {f.name: getattr(self, f.name) / divisor for f in dataclasses.fields(self) if f.name not in COUNTS}
         return dataclasses.replace(self, **changes)
 
+
+# the fields of Timing that are counts, not durations: fast timers leave them as they are
+COUNTS = ("claim_limit", "place_limit", "assign_window")
 
 DEFAULT_TIMING = Timing()
 

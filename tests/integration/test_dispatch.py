@@ -301,6 +301,30 @@ async def test_a_pass_claims_only_what_the_free_room_could_take(store: Store) ->
         assert (await store.get_task(tid)).reason == reasons.FULL  # untouched, still true
 
 
+async def test_a_pass_with_room_places_up_to_its_limit_and_the_window_look_claims_the_window(store: Store) -> None:
+    """Two bounds: a pass claims and places up to `place_limit` tasks while the fleet has room for them
+    (on a large fleet with a backlog, fewer and larger passes); the once-a-tick look at the whole
+    window claims `claim_limit` rows to tell each its reason, however little room there is."""
+    import dataclasses
+
+    from podium.scheduler.service import Scheduler
+    from podium.timing import DEFAULT_TIMING
+
+    timing = dataclasses.replace(DEFAULT_TIMING, tick=3600.0, claim_limit=4, place_limit=10)
+    await add_node(store, "n1", slots=12)
+    ids = [await submit(store) for _ in range(30)]
+    sched = Scheduler(store, timing, server_id="patient")
+    first = await sched.dispatch_once()  # the whole window's look, with room for twelve
+    assert first.claimed == 10 and [a[0] for a in first.assigned] == ids[:10] and first.unplaced == {}
+    second = await sched.dispatch_once()  # what the room could take: two
+    assert second.claimed == 2 and [a[0] for a in second.assigned] == ids[10:12]
+    assert (await sched.dispatch_once()).claimed == 0  # no room: nothing claimed
+    looked = await Scheduler(store, timing, server_id="patient").dispatch_once()  # a tick later: the window
+    assert looked.claimed == 4 and looked.assigned == [] and looked.unplaced == {t: reasons.FULL for t in ids[12:16]}
+    for tid in ids[16:]:
+        assert (await store.get_task(tid)).reason == reasons.WAITING  # beyond the window: not looked at
+
+
 async def test_a_node_whose_cpu_binds_before_its_slots_is_not_a_reason_to_claim_the_window(store: Store) -> None:
     """Slots set high, CPU the limit (100m a task, 1,050m offered: ten fit, 32 slots): the room a
     pass claims for is counted in tasks the size of those claimed, not in free slots. Counted in

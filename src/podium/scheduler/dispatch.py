@@ -24,7 +24,9 @@ their slots (100m a task, slots set high) a count in slots alone made every pass
 window for the one task a freed slot let in. A task smaller than every one claimed since may then
 wait for that look, a tick at most. The tasks behind the claimed ones keep the reason they were last
 given; once per tick a pass looks at the whole window (`claim_limit`) as before, so every queued task
-in it, a new one too, is told its true reason within a tick.
+in it, a new one too, is told its true reason within a tick. A pass on a fleet with room claims up to
+`place_limit` (twice the window): on a large fleet with a backlog, passes come back to back, and each
+costs its round trips whatever its size.
 """
 
 from __future__ import annotations
@@ -169,16 +171,19 @@ class _Placing(abc.ABC):
         """The placer over `snaps`, built once."""
 
     def want(self, claimed: int, limit: int) -> int:
-        if self.whole_window:
-            self._asked = limit - claimed
-        elif self.room <= 0:
-            self._asked = 0  # no task could be placed: the claimed ones, if any, already have their reason
-        else:
+        asked = 0  # no task could be placed: the claimed ones, if any, already have their reason
+        if self.room > 0:
             # First exactly what the room could take. If tasks the free nodes cannot run (another
             # pool, labels, GPUs) held part of it, claim on, at least as many as so far each time, so
             # that a long run of them costs a few round trips and the tasks behind them are reached.
-            self._asked = min(limit - claimed, max(self.room, claimed))
-        return self._asked
+            # `limit` is the store's bound for the pass (`Timing.place_limit`, less if the assignment
+            # window is nearly full).
+            asked = min(limit - claimed, max(self.room, claimed))
+        if self.whole_window:
+            # the window's head (`Timing.claim_limit`), whatever the room: each told its true reason
+            asked = max(asked, min(limit, self.dispatcher.timing.claim_limit) - claimed)
+        self._asked = asked
+        return asked
 
     def leaves(self, t: ClaimedTaskRow) -> bool:
         """Whether this claimed task is left queued without being placed (its reason as it was)."""
@@ -532,7 +537,7 @@ class Dispatcher:
         plan = self.plan(whole_window=whole)
         try:
             outcome = await self.store.dispatch(
-                claim_limit=self.timing.claim_limit,
+                claim_limit=max(self.timing.place_limit, self.timing.claim_limit),
                 assign_window=self.timing.assign_window,
                 accept_seconds=self.timing.provisioning_deadline,
                 lease_seconds=self.timing.lease_ttl,
