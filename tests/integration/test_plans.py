@@ -173,12 +173,12 @@ async def test_a_dispatch_pass_counts_its_window_once(store: Store) -> None:
     async with store.pool.acquire() as c:
         plan = [r[0] for r in await c.fetch(f"EXPLAIN {q}", 4096, None)]
     assert scans_of(plan, "tasks") == 1, "\n".join(plan)
-    # the control: the statement as it was
-    before = q.replace("    OFFSET 0\n) f", ") f")
+    # the control: the count inlined where it is used
+    before = q.replace("WITH f AS MATERIALIZED (", "WITH f AS NOT MATERIALIZED (")
     assert before != q
     async with store.pool.acquire() as c:
         plan = [r[0] for r in await c.fetch(f"EXPLAIN {before}", 4096, None)]
-    assert scans_of(plan, "tasks") == 2, "\n".join(plan)
+    assert scans_of(plan, "tasks") >= 2, "\n".join(plan)
 
 
 async def test_a_dispatch_pass_reads_the_operations_once_whatever_number_of_nodes_changed(store: Store) -> None:
@@ -203,6 +203,26 @@ async def test_a_dispatch_pass_reads_the_operations_once_whatever_number_of_node
     # and what a pass makes of it: every node's one slot is taken, so a new task waits
     await submit(store)
     assert (await place(store)).assigned == []
+
+
+async def test_a_dispatch_pass_reads_the_operations_apart_from_the_nodes_rows(store: Store) -> None:
+    """The operations' arrays (an entry per node with an assignment or a provisioning in flight) are
+    read once, not carried beside each node row through the join with the changed nodes: on 5,000 nodes
+    with 4,000 assignments in flight that join's hash held 5,000 copies of both arrays, and a read of
+    every node spilled ~500 MB to temporary files and took ~490 ms (75 ms read apart)."""
+    nodes = 6
+    for i in range(nodes):
+        await add_node(store, f"n{i:02d}", slots=1)
+    for _ in range(nodes):
+        await submit(store)
+    assert len((await place(store)).assigned) == nodes
+    q = queries()["dispatch_facts"]
+    async with store.pool.acquire() as c:
+        plan = [r[0] for r in await c.fetch(f"EXPLAIN (VERBOSE, COSTS OFF) {q}", 4096, None)]
+    outputs = [line for line in plan if line.strip().startswith("Output:")]
+    assert any("c.id" in line for line in outputs), "\n".join(plan)
+    carrying = [line for line in outputs if "c.id" in line and ("o.nodes" in line or "o.counts" in line)]
+    assert carrying == [], "\n".join(plan)
 
 
 async def test_a_store_of_generic_plans_plans_a_group_commit_once_per_session(store: Store, db_url: str) -> None:

@@ -442,25 +442,27 @@ ORDER BY c.id
 -- horizon and the window's count repeated on each, the operations on the first row only; one row with
 -- no node when none changed, or when the window is full ($1 > 0 and as many wait): that pass claims
 -- nothing and reads the nodes next time. The horizon and the nodes come from one snapshot.
-SELECT f.horizon, f.in_flight,
-       -- Repeated beside every changed node they were read once per node: in the lifecycle benchmark
-       -- (1,000 nodes) one pass in six read ~460,000 of them, 200 ms each, PostgreSQL waiting most of
-       -- it for the server to take the answer; once, the same passes read in 54 ms.
-       CASE WHEN row_number() OVER () = 1 THEN f.operation_nodes END AS operation_nodes,
-       CASE WHEN row_number() OVER () = 1 THEN f.operations END AS operations,
-       c.id AS room_node, c.res_cpu_millis AS room_cpu_millis, c.res_memory_bytes AS room_memory_bytes,
-       c.res_disk_bytes AS room_disk_bytes, c.res_gpus AS room_gpus, c.res_slots AS room_slots,
-       ARRAY(SELECT g.gpu_index FROM gpu_claims g WHERE g.node_id = c.id) AS gpus_in_use, n.*
-FROM (
+WITH f AS MATERIALIZED (
+    -- computed once (pulled up into the join, the window's count was run twice, once for the column
+    -- and once for the join's condition: ~1.5 ms a pass at 1,600 assignments)
     SELECT pg_snapshot_xmin(pg_current_snapshot()) AS horizon,
            (SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state = 'assigned' LIMIT $1) x)::int AS in_flight,
            COALESCE(o.nodes, '{}') AS operation_nodes, COALESCE(o.counts, '{}') AS operations
     FROM (SELECT array_agg(node_id) AS nodes, array_agg(n) AS counts FROM {{operations: attempts}}) o
-    -- a subquery of its own (OFFSET 0): pulled up into the join, the window's count was run twice,
-    -- once for the column and once for the join's condition (~1.5 ms a pass at 1,600 assignments)
-    OFFSET 0
-) f
-LEFT JOIN nodes c ON ($1 = 0 OR f.in_flight < $1) AND ($2::xid8 IS NULL OR c.changed_xid >= $2::xid8)
+)
+SELECT h.horizon, h.in_flight,
+       -- The operations' arrays (an entry per node with an assignment or a provisioning in flight)
+       -- once, on the first row, each a subquery run once. Joined with the nodes, they were carried
+       -- beside every node's row through the join's hash: on 5,000 nodes with 4,000 assignments in
+       -- flight, a read of every node (a server's first pass, then once a minute) spilled ~500 MB to
+       -- temporary files and took ~490 ms (75 ms so), and a read of 3,126 changed nodes 45 ms (33).
+       CASE WHEN row_number() OVER () = 1 THEN (SELECT operation_nodes FROM f) END AS operation_nodes,
+       CASE WHEN row_number() OVER () = 1 THEN (SELECT operations FROM f) END AS operations,
+       c.id AS room_node, c.res_cpu_millis AS room_cpu_millis, c.res_memory_bytes AS room_memory_bytes,
+       c.res_disk_bytes AS room_disk_bytes, c.res_gpus AS room_gpus, c.res_slots AS room_slots,
+       ARRAY(SELECT g.gpu_index FROM gpu_claims g WHERE g.node_id = c.id) AS gpus_in_use, n.*
+FROM (SELECT horizon, in_flight FROM f) h
+LEFT JOIN nodes c ON ($1 = 0 OR h.in_flight < $1) AND ($2::xid8 IS NULL OR c.changed_xid >= $2::xid8)
 LEFT JOIN nodes n ON n.id = c.id AND ($2::xid8 IS NULL OR n.facts_xid >= $2::xid8)
 
 -- task_attempts --
