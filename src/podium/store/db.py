@@ -469,12 +469,17 @@ class Store:
         run as it grows — 300+ scans of `tasks` reading ~1 M rows for a 3,000-task burst (issue 17).
         The statements name their keys as an index condition too (`id = ANY(...)`), so that refusing
         the scan does not leave a whole index read in its place (`tests/integration/test_plans.py`).
+        Nor a bitmap scan (`enable_bitmapscan = off`): the dispatch claim, planned on statistics that
+        still counted a few dozen queued tasks, read the whole queue through a bitmap and sorted it for
+        the 512 at its head (27 ms at 20,000 queued, an 8 MB sort on disk at 15,000 in a benchmark's
+        backlog; 1 ms by the queue's index, read in its order and stopped at the limit). A key lookup
+        loses nothing by it: a batch of ids is an index scan of the same keys.
 
         `generic_plans`: its sessions plan each prepared statement once (`plan_cache_mode =
         force_generic_plan`), for a pool whose statements' generic plans are known to be lookups by
         key (the same test). PostgreSQL otherwise plans anew on every run a statement whose custom
         plan it estimates cheaper: a batch of log chunks cost 0.41 ms to plan and 0.21 to run."""
-        settings = {"enable_seqscan": "off"} if keyed else {}
+        settings = {"enable_seqscan": "off", "enable_bitmapscan": "off"} if keyed else {}
         if generic_plans:
             settings["plan_cache_mode"] = "force_generic_plan"
         try:
