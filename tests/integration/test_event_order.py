@@ -140,6 +140,37 @@ async def test_the_hub_wakes_on_notify_and_fans_out_to_filtered_clients(store: S
         hub.close()
 
 
+async def test_a_stream_cancelled_in_the_turn_its_wake_comes_ends(store: Store) -> None:
+    """A stream's client goes (its task cancelled) just as the hub wakes the stream: the cancel ends
+    it. Waited on with Python 3.11's `asyncio.wait_for`, a wait that ended in the same turn as the
+    cancel returned its result instead, the cancel was lost, and the stream went on waiting for a
+    client that was gone (a test that cancelled its reader then waited for it forever). Every turn
+    from the wake to the stream's resumption is tried."""
+    ui = UiStore(store)
+    hub = EventHub(store, ui)
+    try:
+        await hub.ensure_started()
+        for turns in range(6):
+            stream = hub.follow_batches(None, Filters(None, None, None, {"task"}).match, {})
+            reader = asyncio.ensure_future(_collect(stream, []))
+            async with asyncio.timeout(30):
+                while hub.clients < 1:  # the stream waits at the hub's head
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            changed, hub._changed = hub._changed, asyncio.Event()  # the hub's wake, as its reads make
+            changed.set()  # it, with nothing new for the stream
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            reader.cancel()
+            done, _ = await asyncio.wait({reader}, timeout=5)
+            assert reader in done and reader.cancelled(), f"a cancel {turns} turns after the wake was lost"
+            async with asyncio.timeout(30):
+                while hub.clients > 0:
+                    await asyncio.sleep(0.01)
+    finally:
+        hub.close()
+
+
 async def _collect(stream: Any, into: list[Any]) -> None:
     async for r in stream:
         if r is not None:

@@ -340,7 +340,9 @@ class Agent:
         while True:
             every = min(FINGERPRINT_EVERY, max(FINGERPRINT_MIN, self.heartbeat_seconds))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._look_again.wait(), timeout=every)
+                # not wait_for, which in Python 3.11 loses a cancel that comes as the wait ends
+                async with asyncio.timeout(every):
+                    await self._look_again.wait()
             self._look_again.clear()
             try:
                 availability, artifacts = await self._fingerprint()

@@ -111,8 +111,11 @@ class Wake:
         return, before the caller reads: a chunk stored after that read's snapshot sets it again, so
         no wake falls between a read and the next wait."""
         if not self._event.is_set():  # (wait_for with no time left gives up before looking)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result of a wait that
+            # ended in the same turn as a cancel of its caller, and the cancel is lost
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._event.wait(), self.backstop if timeout is None else max(0.0, timeout))
+                async with asyncio.timeout(self.backstop if timeout is None else max(0.0, timeout)):
+                    await self._event.wait()
         # a wake at the very moment the time ran out still counts
         woke = self._event.is_set()
         self._event.clear()
@@ -208,7 +211,8 @@ class EventHub:
                         self.start = self.head = await self.reads.start_cursor()
                         self._started.set()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), SAFETY_POLL)
+                        async with asyncio.timeout(SAFETY_POLL):  # (not wait_for: see Wake.wait)
+                            await self._wake.wait()
                     if self._busy:
                         self.pauses += 1
                         await asyncio.sleep(COALESCE)
@@ -300,7 +304,10 @@ class EventHub:
                             yield batch[i : i + PAGE]
                         continue
                     try:
-                        await asyncio.wait_for(changed.wait(), KEEPALIVE)
+                        # not wait_for: a stream cancelled (its client gone) in the turn its wake came
+                        # went on waiting, its cancel lost (Python 3.11's wait_for; see Wake.wait)
+                        async with asyncio.timeout(KEEPALIVE):
+                            await changed.wait()
                     except TimeoutError:
                         yield None
                     continue

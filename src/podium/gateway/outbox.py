@@ -133,7 +133,9 @@ class Outbox:
         while True:
             if retry:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=retry_delay)
+                    # not wait_for, which in Python 3.11 loses a cancel that comes as the wait ends
+                    async with asyncio.timeout(retry_delay):
+                        await self._wake.wait()
             else:
                 await self._wake.wait()
             self._wake.clear()
