@@ -110,7 +110,7 @@ class Wake:
         """Until woken (True), or `timeout` (the backstop when None) has passed (False). Cleared on
         return, before the caller reads: a chunk stored after that read's snapshot sets it again, so
         no wake falls between a read and the next wait."""
-        if not self._event.is_set():  # (wait_for with no time left gives up before looking)
+        if not self._event.is_set():  # (a wait with no time left gives up before looking)
             # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result of a wait that
             # ended in the same turn as a cancel of its caller, and the cancel is lost
             with contextlib.suppress(TimeoutError):
