@@ -264,15 +264,15 @@ async def test_the_watchdog_gives_a_removed_nodes_tasks_the_removal_as_reason(st
     assert (await store.get_task(keep)).state == "lost"
 
 
-def _patient(store: Store) -> Any:
+def _patient(store: Store, **counts: int) -> Any:
     """A scheduler whose tick is an hour: its first pass looks at the whole window (for reasons),
-    every later one only at what the free room could take."""
+    every later one only at what the free room could take. `counts` replace Timing's counts."""
     import dataclasses
 
     from podium.scheduler.service import Scheduler
     from podium.timing import DEFAULT_TIMING
 
-    return Scheduler(store, dataclasses.replace(DEFAULT_TIMING, tick=3600.0), server_id="patient")
+    return Scheduler(store, dataclasses.replace(DEFAULT_TIMING, tick=3600.0, **counts), server_id="patient")
 
 
 async def _free_one(store: Store, assigned: tuple[Any, str, int]) -> None:
@@ -305,21 +305,15 @@ async def test_a_pass_with_room_places_up_to_its_limit_and_the_window_look_claim
     """Two bounds: a pass claims and places up to `place_limit` tasks while the fleet has room for them
     (on a large fleet with a backlog, fewer and larger passes); the once-a-tick look at the whole
     window claims `claim_limit` rows to tell each its reason, however little room there is."""
-    import dataclasses
-
-    from podium.scheduler.service import Scheduler
-    from podium.timing import DEFAULT_TIMING
-
-    timing = dataclasses.replace(DEFAULT_TIMING, tick=3600.0, claim_limit=4, place_limit=10)
     await add_node(store, "n1", slots=12)
     ids = [await submit(store) for _ in range(30)]
-    sched = Scheduler(store, timing, server_id="patient")
+    sched = _patient(store, claim_limit=4, place_limit=10)
     first = await sched.dispatch_once()  # the whole window's look, with room for twelve
     assert first.claimed == 10 and [a[0] for a in first.assigned] == ids[:10] and first.unplaced == {}
     second = await sched.dispatch_once()  # what the room could take: two
     assert second.claimed == 2 and [a[0] for a in second.assigned] == ids[10:12]
     assert (await sched.dispatch_once()).claimed == 0  # no room: nothing claimed
-    looked = await Scheduler(store, timing, server_id="patient").dispatch_once()  # a tick later: the window
+    looked = await _patient(store, claim_limit=4, place_limit=10).dispatch_once()  # a tick later: the window
     assert looked.claimed == 4 and looked.assigned == [] and looked.unplaced == {t: reasons.FULL for t in ids[12:16]}
     for tid in ids[16:]:
         assert (await store.get_task(tid)).reason == reasons.WAITING  # beyond the window: not looked at
