@@ -240,7 +240,8 @@ class PodiumServer:
                 if t.get_name() != "api":
                     t.cancel()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=5)
+                async with asyncio.timeout(5):
+                    await asyncio.gather(*tasks, return_exceptions=True)
             await grpc_server.stop(grace=1)
             await gateway.close()
             await scheduler.close()

@@ -19,9 +19,11 @@ import socket
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 
@@ -311,7 +313,8 @@ class Agent:
         after: dict[str, Fingerprint] = {}
         for kind, backend in self.backends.items():
             try:
-                after[kind] = await asyncio.wait_for(backend.fingerprint(), FINGERPRINT_TIMEOUT)
+                async with asyncio.timeout(FINGERPRINT_TIMEOUT):  # (not wait_for: see _read_stream)
+                    after[kind] = await backend.fingerprint()
             except TimeoutError:
                 after[kind] = Fingerprint(kind=kind, available=False, detail=f"no answer within {FINGERPRINT_TIMEOUT:g}s")
             except Exception as e:  # a backend that cannot say is not available
@@ -367,7 +370,8 @@ class Agent:
             if kind in self._recovered or not self.fingerprints.get(kind, Fingerprint(kind, False)).available:
                 continue
             try:
-                found = await asyncio.wait_for(backend.recover(), FINGERPRINT_TIMEOUT)
+                async with asyncio.timeout(FINGERPRINT_TIMEOUT):
+                    found = await backend.recover()
             except Exception as e:  # listed again at the next look at the backends
                 log.warning("backend %s: cannot list what an earlier agent left (%s)", kind, e)
                 continue
@@ -453,7 +457,8 @@ class Agent:
             call = stub.Connect()
             try:
                 await call.write(self._hello())
-                first = await asyncio.wait_for(call.read(), timeout=30)
+                async with asyncio.timeout(30):
+                    first = await call.read()
                 if first is not grpc.aio.EOF and first.HasField("superseded"):
                     self._superseded(first.superseded)
                 if first is grpc.aio.EOF or not first.HasField("welcome"):
@@ -493,15 +498,7 @@ class Agent:
                 beat = asyncio.get_running_loop().create_task(self._heartbeats(outq), name="agent.heartbeat")
                 # A healthy server acks a heartbeat at least every quarter of the lease; one silent
                 # for half of it is stuck (paused, partitioned): try the next server.
-                silence = self.fence_after / 2
-                while True:
-                    try:
-                        msg = await asyncio.wait_for(call.read(), timeout=silence)
-                    except TimeoutError:
-                        raise OSError(f"the server said nothing for {silence:g}s") from None
-                    if msg is grpc.aio.EOF:
-                        raise OSError("the server closed the stream")
-                    self._on_message(msg)
+                await _read_stream(call, self.fence_after / 2, self._on_message)
             finally:
                 self._outq = None
                 pending = [t for t in (beat, writer) if t is not None]
@@ -810,3 +807,24 @@ class Agent:
         for backend in self.backends.values():
             with contextlib.suppress(Exception):
                 await backend.close()
+
+
+async def _read_stream(call: grpc.aio.StreamStreamCall, silence: float, on_message: Callable[[pb.ServerMessage], None]) -> NoReturn:
+    """Read the server's messages until the stream ends (OSError) or the server says nothing for
+    `silence` seconds (OSError: a healthy server acks a heartbeat at least every quarter of the lease).
+
+    One deadline, moved on at each message, not `asyncio.wait_for` per read: Python 3.11's wait_for
+    returns the result of a read that ended in the same loop turn as a cancel of its caller, and the
+    cancel is lost. A session cancelled for a new Hello (its backends changed) would read on until the
+    stream ended, and the agent waiting for it with it. (It also made a task and a timer per message.)"""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(silence) as deadline:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    raise OSError("the server closed the stream")
+                deadline.reschedule(loop.time() + silence)
+                on_message(msg)
+    except TimeoutError:
+        raise OSError(f"the server said nothing for {silence:g}s") from None

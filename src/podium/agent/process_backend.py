@@ -215,7 +215,9 @@ class ProcessRun:
         pgid = self.proc.pid
         _signal_group(pgid, signal.SIGTERM)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._exited()), timeout=kill_grace)
+            # not wait_for, which in Python 3.11 loses a cancel that comes as the wait ends
+            async with asyncio.timeout(kill_grace):
+                await asyncio.shield(self._exited())
         # the leader may be gone while children in its group live on: kill the group regardless
         _signal_group(pgid, signal.SIGKILL)
 

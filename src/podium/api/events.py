@@ -152,7 +152,8 @@ class EventHub:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="events.hub")
         try:
-            await asyncio.wait_for(asyncio.shield(self._started.wait()), START_WAIT)
+            async with asyncio.timeout(START_WAIT):  # (not wait_for: see Wake.wait)
+                await asyncio.shield(self._started.wait())
         except TimeoutError:
             raise StoreUnavailable("the event stream cannot reach PostgreSQL yet") from None
 

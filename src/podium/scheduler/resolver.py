@@ -167,10 +167,10 @@ class ImageResolver:
         registry = registry_of(image)
         try:
             credentials = await self.security.registry_credentials(image)
-            digest = await asyncio.wait_for(
-                self.resolve(image, credentials, insecure=is_loopback(registry), timeout=RESOLVE_TIMEOUT),
-                RESOLVE_TIMEOUT + 1.0,
-            )
+            # not wait_for, which in Python 3.11 loses a cancel (the server stopping) that comes as
+            # the answer does
+            async with asyncio.timeout(RESOLVE_TIMEOUT + 1.0):
+                digest = await self.resolve(image, credentials, insecure=is_loopback(registry), timeout=RESOLVE_TIMEOUT)
         except RegistryError as e:
             log.info("image %s: %s: %s", image, type(e).__name__, e.detail)
             return _Answer(error=e)

@@ -102,7 +102,10 @@ class Scheduler:
         if handed is not None:
             stored = None
             try:
-                stored = await asyncio.wait_for(handed, HANDED_WAIT)
+                # not wait_for, which in Python 3.11 returns the answer of a pass that ends in the turn
+                # this request is cancelled (its client gone), and loses the cancel
+                async with asyncio.timeout(HANDED_WAIT):
+                    stored = await handed
             except TimeoutError:
                 log.warning("a dispatch pass given %d new tasks did not answer within %gs; storing them on their own",
                             len(items), HANDED_WAIT)  # fmt: skip
