@@ -162,6 +162,33 @@ async def test_a_command_inherits_no_descriptor_of_the_agent(tmp_path: Path) -> 
     await b.destroy(h)
 
 
+async def test_every_command_reads_an_empty_stdin(tmp_path: Path) -> None:
+    """A command's stdin is /dev/null (the agent keeps one descriptor of it for every start): `cat`
+    reads nothing and ends, for the second command as for the first (the first start did not close
+    the agent's descriptor), and the agent's descriptor is not among the command's. The agent's own
+    stdin here is a pipe with something in it, which a command given the agent's stdin would print."""
+    saved = os.dup(0)
+    r, w = os.pipe()
+    os.write(w, b"the agent's own stdin\n")
+    os.close(w)
+    os.dup2(r, 0)
+    os.close(r)
+    try:
+        b = ProcessBackend()
+        for i in range(2):
+            script = "cat; readlink /proc/self/fd/0; ls /proc/self/fd"
+            h = await b.start(spec("sh", "-c", script), {"PATH": os.environ["PATH"]}, tmp_path / f"w{i}")
+            out = Output()
+            res = await asyncio.wait_for(b.wait(h, out), 30)
+            lines = out.data["stdout"].decode().split()
+            assert res.exit_code == 0 and lines[0] == "/dev/null", out.data
+            assert sorted(int(fd) for fd in lines[1:]) == [0, 1, 2, 3]  # ls's own directory: 3
+            await b.destroy(h)
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+
+
 async def test_a_wait_cancelled_leaves_the_exit_for_the_stop_that_follows(tmp_path: Path) -> None:
     """The agent's attempt task cancelled while it waits (the agent shutting down) still stops the
     command and reaps it: the exit is not lost with the cancelled waiter (here it waits for the exit: the output is closed)."""
