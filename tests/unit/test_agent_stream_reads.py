@@ -44,19 +44,21 @@ async def test_messages_are_handed_on_in_order_and_the_end_of_the_stream_is_an_e
 async def test_a_silent_server_ends_the_read_and_each_message_moves_the_deadline() -> None:
     call, seen = _Call(), []
 
-    async def talk() -> None:  # five messages 0.3 s apart: 1.5 s in all, never a second's silence
-        for seq in range(5):
+    async def talk() -> None:
+        # six messages 0.3 s apart: 1.8 s in all, longer than one silence (a deadline that did not
+        # move would fall before the last), and a loop stalled for up to 1.2 s still hears each in time
+        for seq in range(6):
             await asyncio.sleep(0.3)
             call.waiting.put_nowait(_ack(seq))
 
     talker = asyncio.ensure_future(talk())
     loop = asyncio.get_running_loop()
     began = loop.time()
-    with pytest.raises(OSError, match=r"the server said nothing for 1s"):
-        await _read_stream(call, 1.0, seen.append)  # type: ignore[arg-type]
+    with pytest.raises(OSError, match=r"the server said nothing for 1.5s"):
+        await _read_stream(call, 1.5, seen.append)  # type: ignore[arg-type]
     await talker
-    assert [m.heartbeat_ack.seq for m in seen] == [0, 1, 2, 3, 4]  # the deadline moved with each one
-    assert loop.time() - began >= 1.5 + 1.0  # and fell a whole silence after the last
+    assert [m.heartbeat_ack.seq for m in seen] == [0, 1, 2, 3, 4, 5]  # the deadline moved with each one
+    assert loop.time() - began >= 1.8 + 1.5  # and fell a whole silence after the last
 
 
 async def test_a_cancel_in_the_turn_a_read_ends_ends_the_read() -> None:
