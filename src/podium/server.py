@@ -69,7 +69,11 @@ class ServerConfig:
 
 
 LISTENER_CONNECTIONS = 5  # connections held for LISTEN (dispatch, gateway, revoked/superseded, events)
-OWN_CONNECTIONS = 7  # the pools of one job each: heartbeats 2, group commits 3, dispatch passes 1, the event hub 1
+# the group commits' pool: two connections for each of the two group commits that may be applied at
+# once (a batch's acceptances are made beside the rest of it), one for the outbox's takes, the log
+# flushes and the release proofs
+REPORTS_POOL = 5
+OWN_CONNECTIONS = 2 + REPORTS_POOL + 2  # the pools of one job each: heartbeats 2, group commits, dispatch passes 1, the event hub 1
 # the fewest `--db-connections` that keep its promise: the listeners, those pools, and 2 each for the
 # API's and the node reports' pools
 MIN_DB_CONNECTIONS = LISTENER_CONNECTIONS + OWN_CONNECTIONS + 4
@@ -160,7 +164,7 @@ class PodiumServer:
         self.beats_store = await Store.connect(url, min_size=1, max_size=2, serialization_retry_limit=retry_limit)
         # (its statements' generic plans are lookups by key, tests/integration/test_plans.py: planned
         # once per session, not on every group commit)
-        self.reports_store = await Store.connect(url, min_size=2, max_size=3, serialization_retry_limit=retry_limit, keyed=True,
+        self.reports_store = await Store.connect(url, min_size=2, max_size=REPORTS_POOL, serialization_retry_limit=retry_limit, keyed=True,
                                                  generic_plans=True)  # fmt: skip
         # The event hub's one reader reads after every commit that writes events, and PostgreSQL planned
         # that read anew each time, its plan for the cursor's values estimated cheaper than the generic

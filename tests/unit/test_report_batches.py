@@ -79,6 +79,20 @@ def test_a_report_held_back_keeps_its_tasks_later_reports_behind_it() -> None:
     assert [(p.task_id, p.kind.lower()) for p in s.events] == [(a, "running"), (a, "exited")]
 
 
+def test_no_report_of_a_task_in_a_commit_being_applied_is_taken() -> None:
+    # `a`'s acceptance is in the group commit being applied: its start and its end wait for that
+    # commit (in their order), and the other tasks' reports around them go in this batch
+    a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    s = stream("n1", report(a, "RUNNING"), report(b, "PROVISIONING"), report(a, "EXITED"), report(c, "PROVISIONING"))
+    batch, served = take_round_robin([s], 1000, committing={a})
+    assert kinds(batch) == [("n1", b, "provisioning"), ("n1", c, "provisioning")]
+    assert served == [s]
+    assert [(p.task_id, p.kind.lower()) for p in s.events] == [(a, "running"), (a, "exited")]
+    # that commit done, they go in the next batch together
+    batch, _ = take_round_robin([s], 1000)
+    assert kinds(batch) == [("n1", a, "running"), ("n1", a, "exited")]
+
+
 def test_streams_are_served_in_turn_within_the_limit() -> None:
     streams = [stream(f"n{i}", *[report(uuid.uuid4(), "PROVISIONING") for _ in range(5)]) for i in range(4)]
     batch, served = take_round_robin(streams, 6)

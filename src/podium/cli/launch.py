@@ -55,7 +55,7 @@ def server(
         envvar="PODIUM_SERIALIZATION_RETRY_LIMIT", min=0, max=1000,
         help="how often a write PostgreSQL refused for contention is retried before it fails (503)")] = 5,
     db_connections: Annotated[int, typer.Option(
-        envvar="PODIUM_DB_CONNECTIONS", min=16, max=10_000,  # podium.server.MIN_DB_CONNECTIONS
+        envvar="PODIUM_DB_CONNECTIONS", min=18, max=10_000,  # podium.server.MIN_DB_CONNECTIONS
         help="the most PostgreSQL connections this server opens (its pools and listeners): keep replicas × this "
              "below the server's max_connections")] = 40,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,

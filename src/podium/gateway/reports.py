@@ -68,6 +68,13 @@ EVENT_TRIES = 5  # a report whose task keeps moving between read and write is gi
 SESSION_BACKLOG = 4096  # reports one stream may have waiting before its reader stops reading
 # the most Assigns of one dispatch whose acceptances it waits for and makes itself (`acceptances_in_pass`)
 ACCEPT_IN_PASS_MAX = 4
+# A second group commit is begun beside the one being applied once this many reports wait behind it
+# (`ReportBatcher.loop`). On 5,000 nodes placing a backlog, acceptances of ~1,500 a commit were what
+# held placement back (its window of unaccepted Assigns filled), and one commit at a time left the
+# database's second core idle for the commit's round trips; a burst of real agents, ~45 reports a
+# commit, never begins one: two small commits cost more CPU than one of both, on a machine whose
+# CPU is what bounds it (docs/benchmarks.md, thirty-eighth session).
+SECOND_COMMIT_BACKLOG = 256
 _KIND = {v: k for k, v in pb.TaskEvent.Kind.items()}
 
 
@@ -115,6 +122,12 @@ class ReportBatcher:
         # the acceptances it took, by token, until its commit is known
         self._waiting: set[asyncio.Event] = set()
         self._taken: dict[int, tuple[Session, Pending]] = {}
+        # The tasks of the group commits being applied (one, or two: `loop`). A task's later report
+        # is not taken while one of its reports is being applied: two commits never hold one task,
+        # and its reports are still made in the order they came.
+        self._committing: set[uuid.UUID] = set()
+        self._commits = 0  # group commits being applied
+        self._second_due = asyncio.Event()  # set when a second commit may be begun
         # The dispatcher, when this server runs one: a batch that ends attempts places queued tasks
         # on the room it frees, in its own commit, and their Assigns go to `push` (the outbox) once
         # it has committed (`place_on_ends`).
@@ -245,6 +258,8 @@ class ReportBatcher:
         self._backlog_add(1)
         self._event_sessions.setdefault(s, None)
         self._events_ready.set()
+        if self._commits and self.backlog >= SECOND_COMMIT_BACKLOG:
+            self._second_due.set()
         self._arrived()
 
     def _arrived(self) -> None:
@@ -254,17 +269,29 @@ class ReportBatcher:
     async def loop(self) -> None:
         """Apply node reports in batches: every report that arrived while the last batch was being
         committed goes into the next one, so a busy fleet costs a commit per batch, not per report.
-        Each report is still its own compare-and-set, decided from the row just read."""
+        Each report is still its own compare-and-set, decided from the row just read.
+
+        A second batch is committed beside the first only while SECOND_COMMIT_BACKLOG reports wait
+        behind it, on its own connections, with none of the first's tasks (`_committing`). Their rows
+        are locked as every writer locks them (tasks in id order, then nodes in id order), and a
+        batch of ends stores the output chunks held for it under the log flusher's lock, which the
+        other batch's ends wait for: no output commits after the end it came before."""
+        async with asyncio.TaskGroup() as commits:
+            commits.create_task(self._commit_loop(second=False))
+            commits.create_task(self._commit_loop(second=True))
+
+    async def _commit_loop(self, *, second: bool) -> None:
         delay = 0.05
         down_since: float | None = None
         loop = asyncio.get_running_loop()
+        ready = self._second_due if second else self._events_ready
         while True:
-            await self._events_ready.wait()
-            self._events_ready.clear()
-            while batch := self._take_batch():
+            await ready.wait()
+            ready.clear()
+            while (not second or (self._commits and self.backlog >= SECOND_COMMIT_BACKLOG)) and (batch := self._take_batch()):
                 try:
                     with metrics.NODE_REPORT_BATCH_SECONDS.time():
-                        await self._apply_batch(batch)
+                        await self._apply_committing(batch)
                     self._lag = loop.time() - min(p.received for _s, p in batch)
                     metrics.NODE_REPORT_LAG.set(self._lag)
                 except StoreUnavailable as e:
@@ -292,9 +319,22 @@ class ReportBatcher:
                     continue
                 delay, down_since = 0.05, None
 
+    async def _apply_committing(self, batch: list[tuple[Session, Pending]]) -> None:
+        """Apply `batch`, its tasks held out of any other batch until it is done, however it ends."""
+        tasks = {p.task_id for _s, p in batch}
+        self._committing |= tasks
+        self._commits += 1
+        try:
+            await self._apply_batch(batch)
+        finally:
+            self._committing -= tasks
+            self._commits -= 1
+            self._events_ready.set()  # reports of its tasks left behind may be taken now
+
     def _take_batch(self) -> list[tuple[Session, Pending]]:
-        """Up to EVENT_BATCH reports, round robin over the streams (see `take_round_robin`)."""
-        batch, served = take_round_robin(list(self._event_sessions), EVENT_BATCH)
+        """Up to EVENT_BATCH reports, round robin over the streams (see `take_round_robin`), none of
+        a task in a batch being applied."""
+        batch, served = take_round_robin(list(self._event_sessions), EVENT_BATCH, self._committing)
         self._backlog_add(-len(batch))
         for s in served:
             self._requeue_session(s)
@@ -532,7 +572,9 @@ def _through_running(first: Change, then: Change) -> Change | None:
     return dataclasses.replace(then, from_=first.from_, via=TaskState.RUNNING, backend_ref=then.backend_ref or first.backend_ref)
 
 
-def take_round_robin(sessions: list[Session], limit: int) -> tuple[list[tuple[Session, Pending]], list[Session]]:
+def take_round_robin(
+    sessions: list[Session], limit: int, committing: Collection[uuid.UUID] = ()
+) -> tuple[list[tuple[Session, Pending]], list[Session]]:
     """Take up to `limit` reports from the streams' queues for one group commit: a round takes one
     report from each stream in turn, so no stream waits behind another's backlog.
 
@@ -541,12 +583,12 @@ def take_round_robin(sessions: list[Session], limit: int) -> tuple[list[tuple[Se
     `running` and its end: they are made in order in one commit, instead of the end waiting a whole
     group commit behind its `running`). Anything else of a task already in the batch — another
     stream's report, another attempt's, one after an end — waits for the next batch, and so do that
-    task's later reports. Reports of *other* tasks do not wait behind one that must: a node given
-    fourteen tasks at once reports PROVISIONING, RUNNING, PROVISIONING, RUNNING, … and every
-    PROVISIONING goes in the first batch. Taking a stream's queue strictly in order instead stopped
-    it at its first RUNNING, so its last acceptance waited a batch per task it was given and, on a
-    busy server, past its 15 s accept deadline. Only a task's own order matters: each report is a
-    compare-and-set on its own task.
+    task's later reports; so does every report of a task in `committing` (a batch being applied).
+    Reports of *other* tasks do not wait behind one that must: a node given fourteen tasks at once
+    reports PROVISIONING, RUNNING, PROVISIONING, RUNNING, … and every PROVISIONING goes in the first
+    batch. Taking a stream's queue strictly in order instead stopped it at its first RUNNING, so its
+    last acceptance waited a batch per task it was given and, on a busy server, past its 15 s accept
+    deadline. Only a task's own order matters: each report is a compare-and-set on its own task.
 
     Returns the batch and the streams it took from (in the order served); the taken reports are
     removed from their queues, the rest stay in arrival order."""
@@ -568,7 +610,7 @@ def take_round_robin(sessions: list[Session], limit: int) -> tuple[list[tuple[Se
                 p = events[i]
                 i += 1
                 before = last.get(p.task_id)
-                if p.task_id in wait or (before is not None and not _follows(before, s, p)):
+                if p.task_id in wait or p.task_id in committing or (before is not None and not _follows(before, s, p)):
                     wait.add(p.task_id)  # it stays, and its task's later reports stay behind it
                     continue
                 last[p.task_id] = (s, p)
