@@ -316,6 +316,8 @@ def summary(r: dict) -> str:  # type: ignore[type-arg]
              f"  submit → running p50/p99 {pr('submit_to_running_ms')}; → succeeded {pr('submit_to_succeeded_ms')}"]  # fmt: skip
     if "submit_to_first_instruction_ms" in r:
         lines.append(f"  submit → first instruction p50/p99 {pr('submit_to_first_instruction_ms')}")
+    if r.get("after_first_end_per_s") is not None:
+        lines.append(f"  the first task ended {r['first_end_ms']} ms after the first submit; from then on {r['after_first_end_per_s']}/s")
     if d := r.get("dispatch"):
         lines.append(f"  dispatcher over the {r['mode']} run: " + ", ".join(f"{k} {d[k]:g}" for k in list(DISPATCH_COUNTERS)[:6] if k in d))
         if d.get("passes"):

@@ -4,7 +4,8 @@ so a user can run it against their own server and compare it with other schedule
 Two modes, both optional:
 - a burst: `tasks` commands submitted in batches (`POST /v1/tasks/batch`), all waited for; tasks per
   second from the first submit to the last end the API reported, and submit → `running` and submit →
-  `succeeded` percentiles;
+  `succeeded` percentiles; and the two parts of that rate: when the first task ended (how long the
+  scheduler took to fill its pipeline) and the rate from then to the last end (how fast it flows);
 - one at a time (`serial`): each task submitted only after the previous one ended. With the default
   command (`date +%s.%N`) the task itself writes when its first instruction ran, read back from its
   logs: submit → first instruction. That figure compares this machine's clock with the node's, so it
@@ -194,6 +195,7 @@ class Bench:
         finally:
             watch.stop()
         seen = {tid: watch.seen[tid] for tid in submitted}
+        first = min(s.ended for s in seen.values() if s.ended is not None)
         last = max(s.ended for s in seen.values() if s.ended is not None)
         ends: dict[str, int] = {}
         for s in seen.values():
@@ -202,6 +204,9 @@ class Bench:
             "mode": "burst", "tasks": tasks, "batch": batch, "command": command,
             "seconds": round(last - t0, 3), "tasks_per_s": round(tasks / (last - t0), 1),
             "submit_seconds": round(t_sub - t0, 3), "ends": ends,
+            "first_end_ms": round((first - t0) * 1000, 1),
+            # the other tasks over the time from the first end to the last (None: they ended at once)
+            "after_first_end_per_s": round((tasks - 1) / (last - first), 1) if tasks > 1 and last > first else None,
             "submit_to_running_ms": _ms([s.running - submitted[t] for t, s in seen.items() if s.running is not None]),
             "submit_to_succeeded_ms": _ms([s.ended - submitted[t] for t, s in seen.items()
                                            if s.ended is not None and s.state == "succeeded"]),

@@ -31,6 +31,14 @@ def test_bench_runs_a_burst_and_one_at_a_time(cluster: Cluster) -> None:
     # the rate is the count over the unrounded seconds: within what rounding those to 1 ms allows
     secs = burst["seconds"]
     assert 0 < secs <= after - before and 12 / (secs + 0.0005) - 0.05 <= burst["tasks_per_s"] <= 12 / max(secs - 0.0005, 1e-9) + 0.05
+    # its two parts: the first end, and the other eleven over the time from it to the last end
+    first_end = burst["first_end_ms"] / 1000
+    assert 0 < first_end <= secs + 0.0005
+    if burst["after_first_end_per_s"] is not None:
+        flowing = max(secs - first_end, 1e-9)
+        assert 11 / (flowing + 0.001) - 0.05 <= burst["after_first_end_per_s"] <= 11 / max(flowing - 0.001, 1e-9) + 0.05
+    else:
+        assert secs - first_end < 0.001  # all twelve ended in the same instant
 
     assert serial["mode"] == "serial" and serial["ends"] == {"succeeded": 3}
     assert serial["command"] == ["date", "+%s.%N"]
