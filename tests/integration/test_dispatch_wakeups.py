@@ -140,6 +140,61 @@ async def test_room_freed_while_a_task_waits_is_looked_at(store: Store) -> None:
         assert skipped() == before
 
 
+async def test_a_refill_that_drained_the_queue_does_not_hide_a_task_a_pass_left_waiting_since(store: Store) -> None:
+    """A commit of ends places on its room and its claim drains the queue; before that commit is
+    answered, a pass claims tasks stored since and leaves one waiting (the fleet full again). The
+    commit's "drained" is older than the pass's word: the task is still known to wait, so the next
+    end's commit places it on the room it frees, and an end's wake-up is answered with a pass. (Believed,
+    the stale "drained" had every end after it place nothing and wake no pass: a burst of real agents
+    idled until the tick.) With nothing between, a refill's drained queue is still believed."""
+    await add_node(store, "n1", slots=2)
+    sched = Scheduler(store, TIMING, server_id="test")
+    d = sched.dispatcher
+    a, b = await submit(store), await submit(store)
+    await tick(store, sched)  # both placed: the fleet full
+    c = await submit(store)
+    await tick(store, sched)
+    assert (await store.get_task(c)).state == S.QUEUED and d._left_full and d._queued_maybe
+    (na, ta), (nb, tb) = await to_running(store, a), await to_running(store, b)
+
+    def both_end(rows: Any) -> list[Any]:
+        return [*ended(a, na, ta)(rows), *ended(b, nb, tb)(rows)]
+
+    refill = d.refill()  # a commit of a's and b's ends places on their room: room for two, `c` alone queued
+    assert refill is not None
+    await store.transition_decided([a, b], both_end, refill=refill)
+    assert refill.outcome is not None and len(refill.outcome.assigned) == 1 and refill.plan.drained
+    assert (await store.get_task(c)).state == S.ASSIGNED
+    # before that commit's answer reaches the dispatcher: two tasks stored since, one placed by a
+    # pass on the room left, the other left waiting for room
+    e, f = await submit(store), await submit(store)
+    await tick(store, sched)
+    assert (await store.get_task(e)).state == S.ASSIGNED and (await store.get_task(f)).state == S.QUEUED
+    assert d._left_full
+    d.refilled(refill)  # the commit's answer, after the pass's
+    assert d._queued_maybe, "a task waits for room: the older drained claim must not hide it"
+    d.loop.heard = frozenset({ROOM_FREED})
+    assert not d._nothing_to_look_for()  # an end's wake-up is a pass's
+    # the next end's commit places `f` on the room it frees
+    (nc, tc) = await to_running(store, c)
+    refill = d.refill()
+    assert refill is not None
+    await store.transition_decided([c], ended(c, nc, tc), refill=refill)
+    d.refilled(refill)
+    placed = await store.get_task(f)
+    assert (placed.state, placed.node_id) == (S.ASSIGNED, "n1")
+    assert not refill.plan.drained and d._queued_maybe  # it found as many as it asked for: more may wait
+    # the control: the next end's commit finds the queue drained and nothing tells otherwise since:
+    # believed, so no later commit of ends claims for nothing
+    (ne, te) = await to_running(store, e)
+    refill = d.refill()
+    assert refill is not None
+    await store.transition_decided([e], ended(e, ne, te), refill=refill)
+    d.refilled(refill)
+    assert refill.plan.drained and not d._queued_maybe
+    assert d.refill() is None
+
+
 async def test_which_wake_ups_need_no_pass(store: Store) -> None:
     """The rule itself, on a real dispatcher: only 'room', with the queue drained, nothing handed to
     it, and the whole window's look not due."""

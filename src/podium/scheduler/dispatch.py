@@ -259,6 +259,7 @@ class RefillPass(_Placing):
     def __init__(self, dispatcher: Dispatcher) -> None:
         super().__init__(dispatcher, whole_window=False)
         self._snaps: dict[str, NodeSnapshot] = {}
+        self.looks = dispatcher._queue_looks  # made before its commit's claim (`Dispatcher._found_queue`)
 
     def begin(self, room: list[NodeRoomRow], operations: dict[str, int]) -> None:
         d = self.dispatcher
@@ -370,10 +371,12 @@ class Dispatcher:
         self._handed: list[tuple[Submissions, asyncio.Future[dict[uuid.UUID, TaskRow] | None]]] = []
         self._left_full = False  # the last pass left no room on the fleet (`SETTLE_WHEN_FULL`)
         # Whether a queued task may be waiting for room: false once a claim drained the queue and
-        # placed all it claimed, true again after any other pass (one that claimed nothing knows
-        # nothing of the queue). A group commit of ends places on the room it frees only while this
-        # holds (`refill`): otherwise its claim would find nothing, a round trip in every commit.
+        # placed all it claimed (and nothing said otherwise meanwhile), true again after any other
+        # pass or refill (one that claimed nothing knows nothing of the queue). A group commit of ends
+        # places on the room it frees only while this holds (`refill`): otherwise its claim would find
+        # nothing, a round trip in every commit. `_found_queue` keeps it.
         self._queued_maybe = True
+        self._queue_looks = 0  # how many passes and refills have told what they found of the queue
         self.refills = True  # False once the loop is stopping: no commit of ends places anything then
 
     def take_submission(self, sub: Submissions) -> asyncio.Future[dict[uuid.UUID, TaskRow] | None] | None:
@@ -489,8 +492,7 @@ class Dispatcher:
         metrics.PLACEMENTS.inc(len(out.assigned))
         metrics.REFILL_PLACEMENTS.inc(len(out.assigned))
         metrics.DISPATCH_CLAIMED.inc(out.claimed)
-        if plan.drained and not out.unplaced:
-            self._queued_maybe = False
+        self._found_queue(plan.drained and not out.unplaced, since=plan.looks)
 
     def requirements_of(self, t: ClaimedTaskRow) -> Requirements:
         """The claimed row's requirements, decoded once per distinct row content: a queued task is
@@ -523,6 +525,7 @@ class Dispatcher:
         # Once a tick, the whole window: the bound on how long a queued task goes without its true
         # reason (a new one says only that it waits for the scheduler; a requeued one, why it was).
         whole = now - self._window_looked_at >= self.timing.tick
+        looks = self._queue_looks  # before its claim (`_found_queue`)
         handed, self._handed = self._handed, []
         early = self.early
         offered: list[OutboxRow] = []
@@ -573,8 +576,24 @@ class Dispatcher:
         # no room left for a task of the smallest size claimed lately (a pass that found the window
         # full read no node: it says nothing of the room)
         self._left_full = not outcome.window_full and plan.room <= 0
-        self._queued_maybe = not (plan.drained and not outcome.unplaced)
+        self._found_queue(plan.drained and not outcome.unplaced, since=looks)
         return outcome
+
+    def _found_queue(self, drained: bool, *, since: int) -> None:
+        """What a pass or a refill found of the queue, told once it has committed: `drained` if its
+        claim found fewer tasks than it asked for and it placed them all. A task it found waiting is
+        believed at once. A drained queue is believed only if nothing else told what it found since
+        this one began (`since`, the count `_queue_looks` had then): a refill's commit ends after the
+        pass that ran beside it, and that pass may have claimed a task stored after the refill's claim,
+        or one the refill's claim skipped because the pass held it locked, and left it waiting for
+        room. Believed anyway, every end's wake-up after it would be answered with no pass (only room
+        freed, the queue "drained"), and a fleet with tasks waiting would idle until the tick: one
+        burst of real agents in several stalled ~1 s, the machine half idle (docs/benchmarks.md)."""
+        if not drained:
+            self._queued_maybe = True
+        elif since == self._queue_looks:
+            self._queued_maybe = False
+        self._queue_looks += 1
 
     def _remember_nodes(self, changed: list[NodeRow], room: list[NodeRoomRow], horizon: int, operations: dict[str, int]) -> None:
         """Fold the node rows changed since the last read into the snapshots kept between ticks: a
