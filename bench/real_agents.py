@@ -317,7 +317,8 @@ def summary(r: dict) -> str:  # type: ignore[type-arg]
     if "submit_to_first_instruction_ms" in r:
         lines.append(f"  submit → first instruction p50/p99 {pr('submit_to_first_instruction_ms')}")
     if r.get("after_first_end_per_s") is not None:
-        lines.append(f"  the first task ended {r['first_end_ms']} ms after the first submit; from then on {r['after_first_end_per_s']}/s")
+        lines.append(f"  the first task ended {r['first_end_ms']} ms after the first submit; from then on {r['after_first_end_per_s']}/s, "
+                     f"the longest pause between two ends {r['longest_pause_ms']} ms")
     if d := r.get("dispatch"):
         lines.append(f"  dispatcher over the {r['mode']} run: " + ", ".join(f"{k} {d[k]:g}" for k in list(DISPATCH_COUNTERS)[:6] if k in d))
         if d.get("passes"):

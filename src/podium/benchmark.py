@@ -20,6 +20,7 @@ polled, and the report says so.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -195,8 +196,8 @@ class Bench:
         finally:
             watch.stop()
         seen = {tid: watch.seen[tid] for tid in submitted}
-        first = min(s.ended for s in seen.values() if s.ended is not None)
-        last = max(s.ended for s in seen.values() if s.ended is not None)
+        ended = sorted(s.ended for s in seen.values() if s.ended is not None)
+        first, last = ended[0], ended[-1]
         ends: dict[str, int] = {}
         for s in seen.values():
             ends[s.state or "?"] = ends.get(s.state or "?", 0) + 1
@@ -207,6 +208,9 @@ class Bench:
             "first_end_ms": round((first - t0) * 1000, 1),
             # the other tasks over the time from the first end to the last (None: they ended at once)
             "after_first_end_per_s": round((tasks - 1) / (last - first), 1) if tasks > 1 and last > first else None,
+            # the longest the burst then went with no task ending: a scheduler that idles (a lost
+            # wake-up waited out until a timer) shows here long before it shows in the rate
+            "longest_pause_ms": round(max((b - a for a, b in itertools.pairwise(ended)), default=0.0) * 1000, 1),
             "submit_to_running_ms": _ms([s.running - submitted[t] for t, s in seen.items() if s.running is not None]),
             "submit_to_succeeded_ms": _ms([s.ended - submitted[t] for t, s in seen.items()
                                            if s.ended is not None and s.state == "succeeded"]),

@@ -39,6 +39,9 @@ def test_bench_runs_a_burst_and_one_at_a_time(cluster: Cluster) -> None:
         assert 11 / (flowing + 0.001) - 0.05 <= burst["after_first_end_per_s"] <= 11 / max(flowing - 0.001, 1e-9) + 0.05
     else:
         assert secs - first_end < 0.001  # all twelve ended in the same instant
+    # the longest of the eleven pauses between two ends: no longer than their sum, no shorter than their mean
+    pause = burst["longest_pause_ms"] / 1000
+    assert (secs - first_end) / 11 - 0.001 <= pause <= secs - first_end + 0.001
 
     assert serial["mode"] == "serial" and serial["ends"] == {"succeeded": 3}
     assert serial["command"] == ["date", "+%s.%N"]

@@ -77,7 +77,8 @@ def _show(r: dict[str, Any], json_out: bool) -> None:
     out.print(Text(f"{r['tasks_per_s']:,} tasks/s ({r['seconds']:.2f} s; {ends})"))
     if r["mode"] == "burst" and r.get("after_first_end_per_s") is not None:
         out.print(Text(f"the first task ended {r['first_end_ms']:,.1f} ms after the first submit; "
-                       f"from then on {r['after_first_end_per_s']:,} tasks/s"))
+                       f"from then on {r['after_first_end_per_s']:,} tasks/s, the longest pause between "
+                       f"two ends {r['longest_pause_ms']:,.1f} ms"))
     if r.get("stream_lost"):
         out.print(Text(f"note: {r['stream_lost']}; the rest was polled, so its times are the polls'"))
 
