@@ -500,3 +500,41 @@ async def test_a_settled_loop_starts_its_next_pass_no_sooner_than_asked(store: S
         await woken.close()
     # the loop's clock, which its timers may run ahead of by its resolution
     assert starts[1] - asked[0] >= 0.3 - loop._clock_resolution
+
+
+async def test_a_pass_retried_after_a_refusal_places_on_the_nodes_as_they_are_not_on_its_first_tries_reservations(
+    store: Store,
+) -> None:
+    """PostgreSQL refuses a pass's transaction (a deadlock, a serialization failure) after its placer
+    reserved the only slot for the task: the whole pass runs again, on the same plan. The retry
+    places on the nodes as they are (the slot free: nothing of the first try was written), not on what
+    the rolled-back try reserved in its placer, which left the task queued as if the node were full."""
+    import asyncpg
+
+    await add_node(store, "n1", slots=1)
+    sched = scheduler(store)
+    d = sched.dispatcher
+    tid = await submit(store)
+    refused: list[int] = []
+    plan_of = d.plan
+
+    def plan(*, whole_window: bool) -> Any:
+        p = plan_of(whole_window=whole_window)
+        place = p.place
+
+        def refused_once(tasks: Any) -> Any:
+            out = place(tasks)
+            if not refused:
+                refused.append(len(out[0]))
+                raise asyncpg.exceptions.DeadlockDetectedError("the first try is refused (injected)")
+            return out
+
+        p.place = refused_once  # type: ignore[method-assign]
+        return p
+
+    d.plan = plan  # type: ignore[method-assign]
+    out = await sched.dispatch_once()
+    assert refused == [1], "the first try placed the task, then was refused"
+    assert out.unplaced == {} and [(t, n) for t, n, _tok in out.assigned] == [(tid, "n1")]
+    t = await store.get_task(tid)
+    assert (t.state, t.node_id, t.attempts) == ("assigned", "n1", 1)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import asyncpg
 import pytest
 from prometheus_client import REGISTRY
 
@@ -193,6 +194,109 @@ async def test_a_refill_that_drained_the_queue_does_not_hide_a_task_a_pass_left_
     d.refilled(refill)
     assert refill.plan.drained and not d._queued_maybe
     assert d.refill() is None
+
+
+async def test_a_claim_that_passed_over_a_held_task_does_not_take_the_queue_for_drained(store: Store) -> None:
+    """A queued task whose row another transaction holds (a release proof's, a group commit's reading
+    a stale report, another replica's claim) is passed over by the claim (SKIP LOCKED), which then
+    comes up short. That is no drained queue: the task is still known to wait, so the wake-up of the
+    room an end frees is a pass's. Believed drained, such a wake-up was answered with no pass and the
+    task waited for the tick. The control: a short claim that passed over nothing still drains it."""
+    await add_node(store, "n1", slots=2)
+    sched = Scheduler(store, TIMING, server_id="test")
+    d = sched.dispatcher
+    await tick(store, sched)  # nothing queued: drained, the whole window looked at just now
+    assert not d._queued_maybe
+    t = await submit(store)
+    async with store.pool.acquire() as holder, holder.transaction():
+        await holder.execute("SELECT id FROM tasks WHERE id = $1 FOR NO KEY UPDATE", t)
+        out = await tick(store, sched)
+        assert (await store.get_task(t)).state == S.QUEUED
+    assert d._queued_maybe, "a task another transaction held is still queued: the queue is not drained"
+    assert out.held and out.claimed == 0
+    d.loop.heard = frozenset({ROOM_FREED})
+    assert not d._nothing_to_look_for()  # an end's wake-up is a pass's
+    out = await tick(store, sched)
+    assert not out.held and [tid for tid, _n, _tok in out.assigned] == [t]
+    # the control: nothing queued, nothing held: drained, and believed
+    out = await tick(store, sched)
+    assert out.claimed == 0 and not out.held and not d._queued_maybe
+
+
+async def test_a_pass_that_passed_over_a_held_task_looks_again_though_nothing_wakes_it(store: Store) -> None:
+    """The holder's commit may say nothing (a group commit that read the task for a stale report and
+    changed nothing): a running dispatcher whose pass passed over a held task looks again shortly, and
+    places the task once it is let go, with no notification and long before the tick (an hour here)."""
+    await add_node(store, "n1", slots=2)
+    sched = Scheduler(store, TIMING, server_id="test")
+    t = await submit(store)
+    async with store.pool.acquire() as holder:
+        tx = holder.transaction()
+        await tx.start()
+        held = True
+        try:
+            await holder.execute("SELECT id FROM tasks WHERE id = $1 FOR NO KEY UPDATE", t)
+            async with running(sched) as passes:
+                await until(lambda: passes[0] >= 1, "a pass after the one that passed over the held task")
+                assert (await store.get_task(t)).state == S.QUEUED
+                await tx.commit()  # let go, and nothing said
+                held = False
+                deadline = asyncio.get_running_loop().time() + WAIT
+                while (await store.get_task(t)).state == S.QUEUED:
+                    assert asyncio.get_running_loop().time() < deadline, "the task let go was never placed"
+                    await asyncio.sleep(0.01)
+        finally:
+            if held:
+                await tx.rollback()
+    assert (await store.get_task(t)).node_id == "n1"
+
+
+async def test_a_pass_whose_placement_lost_its_node_to_another_scheduler_looks_again_at_once(
+    store: Store, db_url: str
+) -> None:
+    """Another scheduler (a replica, a commit of ends) fills the node a pass placed on between the
+    pass's read of the nodes and its write: the reservation is refused and the task stays queued.
+    That is no drained queue, though the claim came up short; and nothing wakes the dispatcher for it
+    (the other scheduler's commit freed nothing), so the pass asks for the next at once, which places
+    the task on the node as it is then. Before, the dispatcher took the queue for drained and waited
+    for the tick."""
+    await add_node(store, "n1", slots=2)
+    await add_node(store, "n2", slots=2)
+    sched = Scheduler(store, TIMING, server_id="test")
+    d = sched.dispatcher
+    await tick(store, sched)
+    t = await submit(store)
+    other = await asyncpg.connect(db_url)
+    try:
+        # the other scheduler holds both nodes and fills them; the pass places on what it read
+        # before that commits, and waits for the node's lock
+        tx = other.transaction()
+        await tx.start()
+        await other.execute("SELECT id FROM nodes ORDER BY id FOR NO KEY UPDATE")
+        await other.execute("UPDATE nodes SET res_slots = alloc_slots")
+        passing = asyncio.create_task(d._pass())
+
+        async def waiting_for_the_lock() -> bool:
+            # this test's database only: the suite's other workers may share the server
+            q = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            return bool(await store.pool.fetchval(q))
+
+        deadline = asyncio.get_running_loop().time() + WAIT
+        while not await waiting_for_the_lock():
+            assert asyncio.get_running_loop().time() < deadline, "the pass never waited for the node's lock"
+            await asyncio.sleep(0.01)
+        await tx.commit()
+        again = await passing
+    finally:
+        await other.close()
+    assert (await store.get_task(t)).state == S.QUEUED  # its reservation refused: the node was full
+    assert d._queued_maybe, "the task it could not place is still queued: the queue is not drained"
+    assert again == 0, "a pass that lost a node to another scheduler looks again at once"
+    # room again on n2 (the other scheduler's task ended there): the next pass places it
+    async with store.pool.acquire() as c:
+        await c.execute("UPDATE nodes SET res_slots = 0 WHERE id = 'n2'")
+    out = await tick(store, sched)
+    assert out.lost_races == 0 and [(tid, n) for tid, n, _tok in out.assigned] == [(t, "n2")]
 
 
 async def test_which_wake_ups_need_no_pass(store: Store) -> None:

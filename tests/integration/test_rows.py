@@ -25,7 +25,8 @@ QUERIES: dict[str, tuple[type[R.Row], set[str]]] = {
     "task_events": (R.TaskEventRow, set()),
     "task_events_page": (R.TaskEventRow, set()),
     "read_logs": (R.LogChunkRow, set()),
-    "claim_queued": (R.ClaimedTaskRow, set()),
+    # the marker of a short claim that passed over a held task, and the claim order's keys
+    "claim_queued": (R.ClaimedTaskRow, {"held", "priority", "created_at"}),
     "claim_unresolved": (R.UnresolvedRow, set()),
     "tasks_on_node": (R.NodeTaskRow, set()),
     "lock_task_facts": (R.TaskFactsRow, set()),

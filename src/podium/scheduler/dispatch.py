@@ -227,6 +227,10 @@ class DispatchPass(_Placing):
 
     def begin(self, changed: list[NodeRow], room: list[NodeRoomRow], horizon: int, operations: dict[str, int]) -> None:
         d = self.dispatcher
+        # a retried transaction (`Store.dispatch`) begins again: nothing its rolled-back try claimed,
+        # found or reserved in its placer holds
+        self._placer = None
+        self.drained = False
         d._remember_nodes(changed, room, horizon, operations)
         d._snaps = with_operations(d._snaps, operations)
         if self.whole_window:
@@ -423,10 +427,20 @@ class Dispatcher:
             # Nodes are behind on accepting what they were given; nothing wakes us when they
             # catch up, so look again soon rather than at the next tick.
             return min(self.timing.tick, WINDOW_POLL)
+        if outcome.lost_races:
+            # Another scheduler filled a node this pass placed on: its tasks are still queued, and
+            # nothing wakes us for them (that scheduler's commit freed nothing). Look again at once,
+            # at the nodes as they are now, rather than at the next tick.
+            return 0
         if self._left_full:
             # nothing more fits until something ends (its commit wakes us): not at once, though
             self.loop.settle(SETTLE_WHEN_FULL)
             return None
+        if outcome.held:
+            # The claim passed over a queued task another transaction holds, whose commit may say
+            # nothing (a group commit that read it for a stale report): look again once it may have
+            # let go, or sooner if woken (a wait, not a sleep: a submission is not held back by it).
+            asyncio.get_running_loop().call_later(min(self.timing.tick, WINDOW_POLL), self.loop.poke)
         if outcome.claimed >= outcome.limit and outcome.assigned:
             return 0  # more may be waiting: don't sleep between full batches
         return None
@@ -492,7 +506,7 @@ class Dispatcher:
         metrics.PLACEMENTS.inc(len(out.assigned))
         metrics.REFILL_PLACEMENTS.inc(len(out.assigned))
         metrics.DISPATCH_CLAIMED.inc(out.claimed)
-        self._found_queue(plan.drained and not out.unplaced, since=plan.looks)
+        self._found_queue(plan.drained and not (out.unplaced or out.lost_races or out.held), since=plan.looks)
 
     def requirements_of(self, t: ClaimedTaskRow) -> Requirements:
         """The claimed row's requirements, decoded once per distinct row content: a queued task is
@@ -576,7 +590,9 @@ class Dispatcher:
         # no room left for a task of the smallest size claimed lately (a pass that found the window
         # full read no node: it says nothing of the room)
         self._left_full = not outcome.window_full and plan.room <= 0
-        self._found_queue(plan.drained and not outcome.unplaced, since=looks)
+        # a placement whose node another scheduler filled first leaves its task queued, as does a
+        # task the claim passed over because another transaction held it: neither is a drained queue
+        self._found_queue(plan.drained and not (outcome.unplaced or outcome.lost_races or outcome.held), since=looks)
         return outcome
 
     def _found_queue(self, drained: bool, *, since: int) -> None:

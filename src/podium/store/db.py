@@ -226,6 +226,9 @@ class DispatchOutcome:
     assigned: list[tuple[uuid.UUID, str, int]] = field(default_factory=list)  # (task, node, token)
     unplaced: dict[uuid.UUID, str] = field(default_factory=dict)  # task → reason
     lost_races: int = 0  # placements whose node filled up under another scheduler
+    # a claim that came up short passed over a queued task another transaction holds (SKIP LOCKED):
+    # the queue is not drained, though the claim found no more of it
+    held: bool = False
     limit: int = 0  # how many tasks this batch could claim
     reasons_written: int = 0  # queued tasks whose waiting reason changed (rows written for it)
     window_full: bool = False  # nothing claimed: too many assignments wait for their nodes already
@@ -833,11 +836,12 @@ class Store:
                 # A pass is woken only for what these placements left: room on a freed node (the
                 # queue drained, or its head fits none of them), a freed node they could not read, a
                 # task they left queued (or whose node refused it), or a task these changes queued
-                # (which a pass places seeing every node). Woken by every such commit, passes ran a
-                # burst long to find no room.
+                # (which a pass places seeing every node), or one its claim passed over because another
+                # transaction held it (whose commit may say nothing). Woken by every such commit,
+                # passes ran a burst long to find no room.
                 out = refill.outcome
                 queued = any(r is not None and c.to == TaskState.QUEUED for c, r in zip(changes, results, strict=True))
-                waiting = out is not None and bool(out.window_full or out.unplaced or out.lost_races)
+                waiting = out is not None and bool(out.window_full or out.unplaced or out.lost_races or out.held)
                 if queued or waiting:
                     await conn.execute(self.q["wake_dispatch"], "")  # a task waits: any dispatcher looks
                 elif freed and (out is None or refill.room_left):
@@ -1190,7 +1194,11 @@ class Store:
         want = min(plan.want(0, claim_limit), claim_limit)
         while want > 0:
             # rows this transaction locked already are not skipped by SKIP LOCKED: name them
-            tasks = ClaimedTaskRow.many(await conn.fetch(self.q["claim_queued"], want, claimed))
+            got = await conn.fetch(self.q["claim_queued"], want, claimed)
+            if got and got[-1]["held"]:
+                out.held = True  # the marker of a short claim that passed over a held task (not a task)
+                got = got[:-1]
+            tasks = ClaimedTaskRow.many(got)
             claimed.extend(t.id for t in tasks)
             claimed_rows.extend(tasks)
             placed, waiting = plan.place(tasks)

@@ -196,16 +196,40 @@ ORDER BY n.id FOR NO KEY UPDATE
 -- $2 is what it claimed already (its own locks are not skipped by SKIP LOCKED). The spec comes as
 -- its text: the dispatcher decodes a spec it has not seen before only (the same rows come back at
 -- every look at the whole window).
-SELECT t.id, t.spec::text AS spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
-       t.attempts,
-       ARRAY(SELECT DISTINCT a.node_id FROM attempts a
-             WHERE a.task_id = t.id AND a.state IN ('revoked', 'lost', 'failed')) AS avoid
-FROM tasks t
-WHERE t.state = 'queued' AND (t.image IS NULL OR t.image_digest IS NOT NULL)
-  AND NOT (t.id = ANY($2::uuid[]))
-ORDER BY t.priority DESC, t.created_at, t.id
-LIMIT $1
-FOR UPDATE OF t SKIP LOCKED
+--
+-- A claim that comes up short (fewer than $1 rows) also says whether it passed over a queued task
+-- another transaction holds: one more row, last, its id NULL and `held` true. SKIP LOCKED hides such a
+-- task (under a release proof's or a group commit's lock, or another replica's claim), and a short
+-- claim is otherwise the dispatcher's proof that the queue is drained: believed, every end's wake-up
+-- after it is answered with no pass, and the task waits for the tick once the lock is let go. The
+-- look is a plain read of the same queue (it waits for no lock, and sees a held row as it was last
+-- committed); a claim that filled its limit makes none.
+WITH c AS MATERIALIZED (
+    SELECT t.id, t.spec::text AS spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
+           t.attempts,
+           ARRAY(SELECT DISTINCT a.node_id FROM attempts a
+                 WHERE a.task_id = t.id AND a.state IN ('revoked', 'lost', 'failed')) AS avoid,
+           t.priority, t.created_at
+    FROM tasks t
+    WHERE t.state = 'queued' AND (t.image IS NULL OR t.image_digest IS NOT NULL)
+      AND NOT (t.id = ANY($2::uuid[]))
+    ORDER BY t.priority DESC, t.created_at, t.id
+    LIMIT $1
+    FOR UPDATE OF t SKIP LOCKED
+)
+SELECT id, spec, cpu_millis, memory_bytes, disk_bytes, gpus, reason, image_digest, attempts, avoid,
+       false AS held, priority, created_at
+FROM c
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true, NULL, NULL
+-- (CASE, not AND: PostgreSQL orders an AND's terms by their cost, and would look at the queue for a
+-- claim that filled its limit too)
+WHERE CASE WHEN (SELECT count(*) FROM c) < $1 THEN EXISTS (
+    SELECT 1 FROM tasks q
+    WHERE q.state = 'queued' AND (q.image IS NULL OR q.image_digest IS NOT NULL)
+      AND NOT (q.id = ANY($2::uuid[])) AND q.id NOT IN (SELECT id FROM c)) ELSE false END
+-- claim order (a materialized CTE's rows come back in no order SQL promises), the marker last
+ORDER BY held, priority DESC, created_at, id
 
 -- assign_tasks --
 -- A dispatch pass's whole write, one statement: the reservation on each node, then the batched form
