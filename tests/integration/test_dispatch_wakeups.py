@@ -18,8 +18,9 @@ from prometheus_client import REGISTRY
 from podium.scheduler.service import Scheduler
 from podium.scheduler.woken import WokenLoop
 from podium.spec import TaskSpec
-from podium.states import TaskState
+from podium.states import AttemptState, TaskState
 from podium.store import ROOM_FREED, Store
+from podium.store.db import Change
 from podium.timing import DEFAULT_TIMING
 from tests.integration.helpers import WAIT, add_node, ended, heard, submit, tick, to_running, until
 
@@ -297,6 +298,52 @@ async def test_a_pass_whose_placement_lost_its_node_to_another_scheduler_looks_a
         await c.execute("UPDATE nodes SET res_slots = 0 WHERE id = 'n2'")
     out = await tick(store, sched)
     assert out.lost_races == 0 and [(tid, n) for tid, n, _tok in out.assigned] == [(t, "n2")]
+
+
+async def _moved(store: Store, tid: Any, to: TaskState) -> None:
+    """The task's acceptance (`to` provisioning) or start (`to` running) as the policy makes it from its
+    node's report: the attempt moved with it."""
+    t = await store.get_task(tid)
+    from_ = S.ASSIGNED if to == S.PROVISIONING else S.PROVISIONING
+    assert await store.transition_task(tid, from_, to, actor=f"node:{t.node_id}", fencing_token=t.fencing_token,
+                                       node_id=t.node_id, attempt_state=AttemptState(str(to)))  # fmt: skip
+
+
+async def test_a_start_that_frees_an_operation_a_task_waits_for_wakes_a_pass(store: Store) -> None:
+    """A node that prepares one task at a time (`--max-operations 1`, 4 slots): the second task waits
+    for the first one's start, not for a slot. The start says so ('room'), made alone or in a commit of
+    ends that places on the room its ends free (which places on those nodes only); an acceptance frees
+    no operation, and on a node whose slots bind first a start wakes no one (the first test). Before,
+    the waiting task was placed at the tick."""
+    await add_node(store, "n1", slots=4, max_operations=1)
+    sched = Scheduler(store, TIMING, server_id="test")
+    d = sched.dispatcher
+    a, b, c = await submit(store), await submit(store), await submit(store)
+    await tick(store, sched)
+    assert [(await store.get_task(t)).state for t in (a, b, c)] == [S.ASSIGNED, S.QUEUED, S.QUEUED]
+    assert d._queued_maybe
+    sub = await store.listen("podium_dispatch")
+    try:
+        await _moved(store, a, S.PROVISIONING)
+        assert await heard(store, sub) == []  # an acceptance frees no operation
+        await _moved(store, a, S.RUNNING)
+        assert await heard(store, sub) == [ROOM_FREED]
+        await tick(store, sched)  # the pass that wake-up brings
+        assert [(await store.get_task(t)).state for t in (b, c)] == [S.ASSIGNED, S.QUEUED]
+        # b's start in a group commit that places on the room its ends free (none end here): the
+        # commit's own word, the statement's being left to it
+        await _moved(store, b, S.PROVISIONING)
+        d._left_full = d._queued_maybe = True
+        refill = d.refill()
+        assert refill is not None
+        tb = await store.get_task(b)
+        start = Change(b, S.PROVISIONING, S.RUNNING, actor="node:n1", fencing_token=tb.fencing_token, node_id="n1",
+                       attempt_state=AttemptState.RUNNING)  # fmt: skip
+        await store.transition_decided([b], lambda rows: [start], refill=refill)
+        assert (await store.get_task(b)).state == S.RUNNING
+        assert await heard(store, sub) == [ROOM_FREED]
+    finally:
+        await sub.close()
 
 
 async def test_which_wake_ups_need_no_pass(store: Store) -> None:

@@ -757,7 +757,8 @@ class Store:
         async with self._conn() as conn, conn.transaction():
             await conn.execute(self.q["lock_tasks"], ids)
             await conn.execute(self.q["lock_nodes_of_tasks"], ids)
-            return await self._made_in_layers(conn, changes, rows)
+            results, _operations_freed = await self._made_in_layers(conn, changes, rows)
+            return results
 
     @_retried
     async def transition_expected(self, changes: Sequence[Change]) -> list[Transition | None]:
@@ -826,7 +827,9 @@ class Store:
                 raise ValueError(f"changes to tasks that were not read and locked: {sorted(map(str, stray))}")
             locked = {r.id for r in read if r.id in ending}
             unlocked = any(c.end_attempt is not None and c.task_id not in locked for c in changes)
-            results = await self._made_in_layers(conn, changes, rows, lock_nodes=unlocked, wake_dispatch=refill is None)
+            results, operations_freed = await self._made_in_layers(
+                conn, changes, rows, lock_nodes=unlocked, wake_dispatch=refill is None
+            )
             if refill is not None:
                 # every node an end was made on is locked by now (`_made_in_layers`, or the read)
                 freed = sorted({c.node_id for c, r in zip(changes, results, strict=True)
@@ -844,7 +847,9 @@ class Store:
                 waiting = out is not None and bool(out.window_full or out.unplaced or out.lost_races or out.held)
                 if queued or waiting:
                     await conn.execute(self.q["wake_dispatch"], "")  # a task waits: any dispatcher looks
-                elif freed and (out is None or refill.room_left):
+                elif (freed and (out is None or refill.room_left)) or operations_freed:
+                    # (a start that freed an operation on a node whose operations bind: these placements
+                    # were on the ended attempts' nodes only)
                     await conn.execute(self.q["wake_dispatch"], ROOM_FREED)
             return changes, results
 
@@ -878,7 +883,7 @@ class Store:
         *,
         lock_nodes: bool = False,
         wake_dispatch: bool = True,
-    ) -> list[Transition | None]:
+    ) -> tuple[list[Transition | None], bool]:
         """Make `changes` (their `Change.row`s given) on a connection whose transaction holds their
         tasks' locks: one statement per layer — the first change of every task, then the second of
         those whose first was made, … (a node's `running` and its end, read in one batch) — each from
@@ -887,7 +892,9 @@ class Store:
         id order, just before the first layer that holds one (a `running` layer is written before
         them): the caller holds the nodes' locks already otherwise. Without `wake_dispatch`, no
         dispatcher is woken for the capacity the changes free or the tasks they queue: the caller
-        places on that room itself, and wakes them if that leaves anything (`transition_decided`)."""
+        places on that room itself, and wakes them if that leaves anything (`transition_decided`); the
+        second answer says whether a start freed a provisioning operation on a node whose operations
+        bind before its slots (a dispatcher must then look, as the statement says when it wakes them)."""
         layers: list[list[int]] = []  # indexes into `changes`, one layer per rank of a task's changes
         rank: dict[uuid.UUID, int] = {}
         for i, c in enumerate(changes):
@@ -897,6 +904,7 @@ class Store:
                 layers.append([])
             layers[k].append(i)
         out: list[Transition | None] = [None] * len(changes)
+        operations_freed = False
         made: set[uuid.UUID] = set(rank)  # tasks whose every change so far was made
         for layer in layers:
             todo = [i for i in layer if changes[i].task_id in made]
@@ -906,13 +914,14 @@ class Store:
                 lock_nodes = False  # every ending change's node at once, in one ordered statement
                 await conn.execute(self.q["lock_nodes_of_tasks"], [c.task_id for c in changes if c.end_attempt is not None])
             done = {r["id"]: r for r in await conn.fetch(self.q["transition_tasks"], [rows[i] for i in todo], wake_dispatch)}
+            operations_freed = operations_freed or any(r["operations_freed"] for r in done.values())
             made = set()
             for i in todo:
                 r = done.get(changes[i].task_id)
                 if r is not None:
                     out[i] = Transition(r["id"], r["fencing_token"])
                     made.add(changes[i].task_id)
-        return out
+        return out, operations_freed
 
     async def get_task(self, task_id: uuid.UUID) -> TaskRow:
         async with self._conn() as conn:

@@ -145,7 +145,15 @@ WITH d AS (
         stop_sent_at = CASE WHEN t.stop THEN NULL ELSE a.stop_sent_at END
     FROM t
     WHERE t.end_attempt IS NULL AND (t.attempt_state IS NOT NULL OR t.stop) AND a.fencing_token = t.fencing_token
-    RETURNING a.task_id, a.node_id, t.stop
+    RETURNING a.task_id, a.node_id, t.stop, t.attempt_state = 'running' AS started
+), operation_freed AS (
+    -- An attempt that starts running frees one of its node's provisioning operations. A task that
+    -- waits for nothing else (its node's `max_operations` below its slots, all of them in use) is a
+    -- pass's to place now, not at the tick. A node whose slots bind first frees nothing placement
+    -- waits for by a start: left out, so a start on it wakes no dispatcher
+    SELECT 1 FROM moved m JOIN nodes n ON n.id = m.node_id
+    WHERE m.started AND n.max_operations < n.alloc_slots
+    LIMIT 1
 ), {{freed: ended WHERE ended.released}}, e AS (
     -- a row's `via` event first (ids in this order: a stream reads a task's events in id order)
     INSERT INTO task_events (task_id, from_state, to_state, reason, actor, fencing_token, failure_class, detail)
@@ -163,18 +171,21 @@ WITH d AS (
           WHERE y.stop) x
 ), woke_dispatch AS (
     -- ($2 false: the caller places on the room its changes free in the same transaction, and wakes
-    -- the dispatcher itself if that leaves anything for a pass, `Store.transition_decided`). Said
-    -- 'room' when the changes only freed capacity: a dispatcher that knows its queue drained need not
-    -- look (`Dispatcher._pass`); '' when they queued a task, which any dispatcher must look for
+    -- the dispatcher itself if that leaves anything for a pass, `Store.transition_decided`, told of a
+    -- freed operation by `operations_freed`). Said 'room' when the changes only freed capacity (or an
+    -- operation): a dispatcher that knows its queue drained need not look (`Dispatcher._pass`); ''
+    -- when they queued a task, which any dispatcher must look for
     SELECT count(pg_notify('podium_dispatch', z.why)) AS n
     FROM (SELECT CASE WHEN EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued') THEN '' ELSE 'room' END AS why
-          WHERE $2::boolean AND (EXISTS (SELECT 1 FROM freed) OR EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued'))) z
+          WHERE $2::boolean AND (EXISTS (SELECT 1 FROM freed) OR EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued')
+                                 OR EXISTS (SELECT 1 FROM operation_freed))) z
 )
 -- one row per change made, and nothing read per row from `ended` or `moved`: a CTE has no index, so
 -- a lookup in them for each row would be a scan for each row: quadratic in the batch, 20 ms of the
 -- database's CPU at 930 rows (tests/integration/test_plans.py keeps it out)
 SELECT t.id, t.fencing_token,
-       (SELECT n FROM woke_node) AS woke_node, (SELECT n FROM woke_dispatch) AS woke_dispatch
+       (SELECT n FROM woke_node) AS woke_node, (SELECT n FROM woke_dispatch) AS woke_dispatch,
+       EXISTS (SELECT 1 FROM operation_freed) AS operations_freed
 FROM t
 
 -- lock_tasks --
