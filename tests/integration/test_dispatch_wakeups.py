@@ -346,6 +346,27 @@ async def test_a_start_that_frees_an_operation_a_task_waits_for_wakes_a_pass(sto
         await sub.close()
 
 
+async def test_a_node_that_talks_again_wakes_a_pass(store: Store) -> None:
+    """A node marked unreachable (no heartbeat for a while) that heartbeats again is online again: a
+    task that waited for a node is a pass's to place now ('': a node changed), not at the tick. The
+    heartbeats of a node that was online say nothing (a fleet heartbeats all the time)."""
+    row = await add_node(store, "n1", slots=2)
+    sub = await store.listen("podium_dispatch")
+    try:
+        assert await store.heartbeats([("n1", row.session)], "test") == {"n1"}
+        assert await heard(store, sub) == []
+        assert await store.mark_unreachable(0.0) == ["n1"]  # as the watchdog marks it
+        assert await heard(store, sub) == []
+        assert await store.heartbeats([("n1", row.session)], "test") == {"n1"}
+        assert await heard(store, sub) == [""]
+        async with store.pool.acquire() as c:
+            assert await c.fetchval("SELECT health FROM nodes WHERE id = 'n1'") == "online"
+        assert await store.heartbeats([("n1", row.session)], "test") == {"n1"}
+        assert await heard(store, sub) == []
+    finally:
+        await sub.close()
+
+
 async def test_which_wake_ups_need_no_pass(store: Store) -> None:
     """The rule itself, on a real dispatcher: only 'room', with the queue drained, nothing handed to
     it, and the whole window's look not due."""

@@ -101,17 +101,23 @@ SELECT id, at, kind, message, detail FROM node_events WHERE node_id = $1 AND id 
 -- Rows are locked in id order, the order placement and a group commit of node reports take them in,
 -- so this can wait behind them (milliseconds) but never deadlock with them. It must not skip a busy
 -- row: on a busy fleet a node's row is nearly always held by some batch, and a heartbeat skipped
--- every time is a healthy node declared unreachable.
+-- every time is a healthy node declared unreachable. A node that was not online (unreachable: it
+-- could not talk) is a node placement may use again: the dispatchers are woken for it ('': a node
+-- changed), once for the flush, so a task that waited for it is not left until the tick.
 WITH d AS (SELECT * FROM unnest($1::text[], $2::bigint[]) AS d(id, session)),
 locked AS (
-    SELECT n.id FROM nodes n JOIN d ON d.id = n.id AND d.session = n.session
+    SELECT n.id, n.health <> 'online' AS back FROM nodes n JOIN d ON d.id = n.id AND d.session = n.session
     WHERE n.revoked_at IS NULL
     ORDER BY n.id
     FOR NO KEY UPDATE OF n
+), u AS (
+    UPDATE nodes n SET last_heartbeat_at = now(), health = 'online', connected = true, gateway_id = $3
+    FROM locked WHERE n.id = locked.id
+    RETURNING n.id
+), woke AS (
+    SELECT count(pg_notify('podium_dispatch', '')) AS n FROM (SELECT 1 FROM locked WHERE back LIMIT 1) x
 )
-UPDATE nodes n SET last_heartbeat_at = now(), health = 'online', connected = true, gateway_id = $3
-FROM locked WHERE n.id = locked.id
-RETURNING n.id
+SELECT u.id, (SELECT n FROM woke) AS woke FROM u
 
 -- node_disconnected --
 UPDATE nodes SET connected = false, gateway_id = NULL, updated_at = now()
