@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import asyncpg
 
 from podium import reasons
 from podium.scheduler.service import Scheduler
@@ -17,6 +19,7 @@ from podium.store.db import DEFAULT_MAX_OPERATIONS
 from podium.timing import DEFAULT_TIMING
 
 WAIT = 30.0  # seconds a condition may take on a slow, busy machine
+_T = TypeVar("_T")
 
 
 async def until(cond: Callable[[], bool], what: str) -> None:
@@ -26,6 +29,29 @@ async def until(cond: Callable[[], bool], what: str) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"not within {WAIT:.0f}s: {what}")
         await asyncio.sleep(0.01)
+
+
+async def filled_under_a_pass(store: Store, db_url: str, nodes: list[str], run: Callable[[], Awaitable[_T]]) -> _T:
+    """`run` (a dispatch pass) while another scheduler holds `nodes` and fills them: the pass places on
+    what it read before that commits, and waits for the nodes' lock; what it returned. The wait is
+    seen in this test's database only (the suite's other workers may share the server)."""
+    other = await asyncpg.connect(db_url)
+    try:
+        tx = other.transaction()
+        await tx.start()
+        await other.execute("SELECT id FROM nodes WHERE id = ANY($1::text[]) ORDER BY id FOR NO KEY UPDATE", nodes)
+        await other.execute("UPDATE nodes SET res_slots = alloc_slots WHERE id = ANY($1::text[])", nodes)
+        passing = asyncio.create_task(run())
+        q = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        deadline = asyncio.get_running_loop().time() + WAIT
+        while not await store.pool.fetchval(q):
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"not within {WAIT:.0f}s: the pass waiting for the nodes' lock")
+            await asyncio.sleep(0.01)
+        await tx.commit()
+        return await passing
+    finally:
+        await other.close()
 
 
 async def add_node(store: Store, node_id: str = "n1", *, slots: int = 4, cpu: int = 4000, memory: int = 8 * 2**30,

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import pytest
 
 from podium import reasons
@@ -26,7 +25,7 @@ from podium.security.secretbox import SecretBox
 from podium.security.service import Security
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, looping, place, scheduler, submit
+from tests.integration.helpers import add_node, filled_under_a_pass, looping, place, scheduler, submit
 
 
 async def _eventually(cond: Any, timeout: float = 30.0, what: str = "condition") -> Any:
@@ -646,26 +645,7 @@ async def test_an_assign_sent_before_a_write_that_lost_its_node_to_another_sched
     async with dispatching_before_commit(store) as (gw, sched, s):
         answered = _answering(gw, s)
         tid = await submit(store)
-        other = await asyncpg.connect(db_url)
-        try:
-            # another scheduler holds the node and fills it: the pass places on what it read before
-            # that commits, and waits for the node's lock
-            tx = other.transaction()
-            await tx.start()
-            await other.execute("SELECT id FROM nodes WHERE id = 'n1' FOR NO KEY UPDATE")
-            await other.execute("UPDATE nodes SET res_slots = alloc_slots WHERE id = 'n1'")
-            dispatching = asyncio.create_task(sched.dispatch_once())
-
-            async def waiting_for_the_lock() -> bool:
-                # this test's database only: the suite's other workers may share the server
-                q = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-                return bool(await store.pool.fetchval(q))
-
-            await _eventually(waiting_for_the_lock, what="the pass waiting for the node's lock")
-            await tx.commit()
-            out = await dispatching
-        finally:
-            await other.close()
+        out = await filled_under_a_pass(store, db_url, ["n1"], sched.dispatch_once)
         assert out.lost_races == 1 and out.assigned == [] and out.accepted == []
         [assign] = sent(s, "assign")  # sent with the tokens drawn under the lock, before the write
         assert assign.fencing_token == answered[0]

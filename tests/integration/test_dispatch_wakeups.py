@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import asyncpg
 import pytest
 from prometheus_client import REGISTRY
 
@@ -22,7 +21,17 @@ from podium.states import AttemptState, TaskState
 from podium.store import ROOM_FREED, Store
 from podium.store.db import Change
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import WAIT, add_node, ended, heard, submit, tick, to_running, until
+from tests.integration.helpers import (
+    WAIT,
+    add_node,
+    ended,
+    filled_under_a_pass,
+    heard,
+    submit,
+    tick,
+    to_running,
+    until,
+)
 
 S = TaskState
 # No pass of the loop's own (the tick) but the first: every other pass here is one a wake-up brought.
@@ -267,29 +276,7 @@ async def test_a_pass_whose_placement_lost_its_node_to_another_scheduler_looks_a
     d = sched.dispatcher
     await tick(store, sched)
     t = await submit(store)
-    other = await asyncpg.connect(db_url)
-    try:
-        # the other scheduler holds both nodes and fills them; the pass places on what it read
-        # before that commits, and waits for the node's lock
-        tx = other.transaction()
-        await tx.start()
-        await other.execute("SELECT id FROM nodes ORDER BY id FOR NO KEY UPDATE")
-        await other.execute("UPDATE nodes SET res_slots = alloc_slots")
-        passing = asyncio.create_task(d._pass())
-
-        async def waiting_for_the_lock() -> bool:
-            # this test's database only: the suite's other workers may share the server
-            q = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            return bool(await store.pool.fetchval(q))
-
-        deadline = asyncio.get_running_loop().time() + WAIT
-        while not await waiting_for_the_lock():
-            assert asyncio.get_running_loop().time() < deadline, "the pass never waited for the node's lock"
-            await asyncio.sleep(0.01)
-        await tx.commit()
-        again = await passing
-    finally:
-        await other.close()
+    again = await filled_under_a_pass(store, db_url, ["n1", "n2"], d._pass)
     assert (await store.get_task(t)).state == S.QUEUED  # its reservation refused: the node was full
     assert d._queued_maybe, "the task it could not place is still queued: the queue is not drained"
     assert again == 0, "a pass that lost a node to another scheduler looks again at once"
