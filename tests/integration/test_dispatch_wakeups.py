@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from podium.scheduler.dispatch import WINDOW_POLL
 from podium.scheduler.service import Scheduler
 from podium.scheduler.woken import WokenLoop
 from podium.spec import TaskSpec
@@ -261,14 +262,14 @@ async def test_a_pass_that_passed_over_a_held_task_looks_again_though_nothing_wa
     assert (await store.get_task(t)).node_id == "n1"
 
 
-async def test_a_pass_whose_placement_lost_its_node_to_another_scheduler_looks_again_at_once(
+async def test_a_pass_whose_placement_lost_its_node_to_another_scheduler_looks_again_soon(
     store: Store, db_url: str
 ) -> None:
     """Another scheduler (a replica, a commit of ends) fills the node a pass placed on between the
     pass's read of the nodes and its write: the reservation is refused and the task stays queued.
     That is no drained queue, though the claim came up short; and nothing wakes the dispatcher for it
-    (the other scheduler's commit freed nothing), so the pass asks for the next at once, which places
-    the task on the node as it is then. Before, the dispatcher took the queue for drained and waited
+    (the other scheduler's commit freed nothing), so the pass asks for the next within 20 ms, which
+    places the task on the node as it is then. Before, the dispatcher took the queue for drained and waited
     for the tick."""
     await add_node(store, "n1", slots=2)
     await add_node(store, "n2", slots=2)
@@ -279,7 +280,7 @@ async def test_a_pass_whose_placement_lost_its_node_to_another_scheduler_looks_a
     again = await filled_under_a_pass(store, db_url, ["n1", "n2"], d._pass)
     assert (await store.get_task(t)).state == S.QUEUED  # its reservation refused: the node was full
     assert d._queued_maybe, "the task it could not place is still queued: the queue is not drained"
-    assert again == 0, "a pass that lost a node to another scheduler looks again at once"
+    assert again == WINDOW_POLL, "a pass that lost a node to another scheduler looks again soon, not at the tick"
     # room again on n2 (the other scheduler's task ended there): the next pass places it
     async with store.pool.acquire() as c:
         await c.execute("UPDATE nodes SET res_slots = 0 WHERE id = 'n2'")
@@ -342,7 +343,9 @@ async def test_a_node_that_talks_again_wakes_a_pass(store: Store) -> None:
     try:
         assert await store.heartbeats([("n1", row.session)], "test") == {"n1"}
         assert await heard(store, sub) == []
-        assert await store.mark_unreachable(0.0) == ["n1"]  # as the watchdog marks it
+        async with store.pool.acquire() as c:  # its last heartbeat an hour ago, as the watchdog then sees it
+            await c.execute("UPDATE nodes SET last_heartbeat_at = now() - interval '1 hour' WHERE id = 'n1'")
+        assert await store.mark_unreachable(60.0) == ["n1"]
         assert await heard(store, sub) == []
         assert await store.heartbeats([("n1", row.session)], "test") == {"n1"}
         assert await heard(store, sub) == [""]

@@ -429,9 +429,11 @@ class Dispatcher:
             return min(self.timing.tick, WINDOW_POLL)
         if outcome.lost_races:
             # Another scheduler filled a node this pass placed on: its tasks are still queued, and
-            # nothing wakes us for them (that scheduler's commit freed nothing). Look again at once,
-            # at the nodes as they are now, rather than at the next tick.
-            return 0
+            # nothing wakes us for them (that scheduler's commit freed nothing). Look again soon, at
+            # the nodes as they are then, rather than at the next tick (soon, not at once: a node that
+            # refused a placement its snapshot allowed, for a reason the snapshot never shows, would
+            # otherwise have the dispatcher place on it again and again without a pause)
+            return min(self.timing.tick, WINDOW_POLL)
         if self._left_full:
             # nothing more fits until something ends (its commit wakes us): not at once, though
             self.loop.settle(SETTLE_WHEN_FULL)
