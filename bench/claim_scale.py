@@ -41,12 +41,12 @@ async def measure(store: Store, claim_limit: int, repeats: int) -> tuple[list[fl
             tr = conn.transaction()
             await tr.start()
             t0 = time.perf_counter()
-            await conn.fetch(q, claim_limit, [])
+            await conn.fetch(q, claim_limit, [], [], [])
             times.append(time.perf_counter() - t0)
             await tr.rollback()
         tr = conn.transaction()
         await tr.start()
-        plan = await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + q, claim_limit, [])
+        plan = await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + q, claim_limit, [], [], [])
         await tr.rollback()
     return times, plan
 

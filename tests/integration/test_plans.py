@@ -171,13 +171,13 @@ async def test_a_dispatch_pass_counts_its_window_once(store: Store) -> None:
     await submit(store)
     q = queries()["dispatch_facts"]
     async with store.pool.acquire() as c:
-        plan = [r[0] for r in await c.fetch(f"EXPLAIN {q}", 4096, None)]
+        plan = [r[0] for r in await c.fetch(f"EXPLAIN {q}", 4096, None, 0)]
     assert scans_of(plan, "tasks") == 1, "\n".join(plan)
     # the control: the count inlined where it is used
     before = q.replace("WITH f AS MATERIALIZED (", "WITH f AS NOT MATERIALIZED (")
     assert before != q
     async with store.pool.acquire() as c:
-        plan = [r[0] for r in await c.fetch(f"EXPLAIN {before}", 4096, None)]
+        plan = [r[0] for r in await c.fetch(f"EXPLAIN {before}", 4096, None, 0)]
     assert scans_of(plan, "tasks") >= 2, "\n".join(plan)
 
 
@@ -194,7 +194,7 @@ async def test_a_dispatch_pass_reads_the_operations_once_whatever_number_of_node
     assert len((await place(store)).assigned) == nodes  # one assignment waiting on each node
     q = queries()["dispatch_facts"]
     async with store.pool.acquire() as c:
-        rows = await c.fetch(q, 4096, None)  # every node read, as after a restart
+        rows = await c.fetch(q, 4096, None, 0)  # every node read, as after a restart
     assert sorted(r["id"] for r in rows) == [f"n{i:02d}" for i in range(nodes)]
     carrying = [r for r in rows if r["operation_nodes"] is not None]
     assert len(carrying) == 1 and carrying[0] is rows[0], [len(r["operation_nodes"] or ()) for r in rows]
@@ -218,7 +218,7 @@ async def test_a_dispatch_pass_reads_the_operations_apart_from_the_nodes_rows(st
     assert len((await place(store)).assigned) == nodes
     q = queries()["dispatch_facts"]
     async with store.pool.acquire() as c:
-        plan = [r[0] for r in await c.fetch(f"EXPLAIN (VERBOSE, COSTS OFF) {q}", 4096, None)]
+        plan = [r[0] for r in await c.fetch(f"EXPLAIN (VERBOSE, COSTS OFF) {q}", 4096, None, 0)]
     outputs = [line for line in plan if line.strip().startswith("Output:")]
     assert any("c.id" in line for line in outputs), "\n".join(plan)
     carrying = [line for line in outputs if "c.id" in line and ("o.nodes" in line or "o.counts" in line)]
@@ -324,7 +324,7 @@ async def test_a_dispatch_passs_write_joins_none_of_its_ctes_row_by_row(store: S
     q = queries()["assign_tasks"]
     async with store.pool.acquire() as c:
         await c.execute("SET plan_cache_mode = force_generic_plan")
-        nulls = ", ".join(["NULL"] * 12)
+        nulls = ", ".join(["NULL"] * 13)
         prepared = await c.prepare(q)
         plan = [r[0] for r in await c.fetch(f"EXPLAIN EXECUTE {prepared.get_name()}({nulls})")]
         assert any("CTE Scan on t" in line for line in plan)  # what the check looks for is there
@@ -404,7 +404,7 @@ async def test_a_keyed_store_claims_the_queues_head_in_its_order_whatever_the_st
                 if label == "control":
                     await c.execute("SET enable_bitmapscan = on")
                 async with c.transaction():  # the claim locks what it reads, until this block's commit
-                    plans[label] = [r[0] for r in await c.fetch(f"EXPLAIN (ANALYZE) {q}", 512, [])]
+                    plans[label] = [r[0] for r in await c.fetch(f"EXPLAIN (ANALYZE) {q}", 512, [], [], [])]
     finally:
         await keyed.close()
 

@@ -26,7 +26,7 @@ QUERIES: dict[str, tuple[type[R.Row], set[str]]] = {
     "task_events_page": (R.TaskEventRow, set()),
     "read_logs": (R.LogChunkRow, set()),
     # the marker of a short claim that passed over a held task, and the claim order's keys
-    "claim_queued": (R.ClaimedTaskRow, {"held", "priority", "created_at"}),
+    "claim_queued": (R.ClaimedTaskRow, {"held", "priority", "created_at", "locked"}),
     "claim_unresolved": (R.UnresolvedRow, set()),
     "tasks_on_node": (R.NodeTaskRow, set()),
     "lock_task_facts": (R.TaskFactsRow, set()),
@@ -42,7 +42,7 @@ QUERIES: dict[str, tuple[type[R.Row], set[str]]] = {
     "placement_nodes": (R.NodeRow, NODE_INTERNALS),
     # a dispatch pass's facts (the horizon, the window, the operations), repeated beside each changed
     # node, and what NodeRoomRow reads of it (each row is one or the other, see Store.dispatch)
-    "dispatch_facts": (R.NodeRow, NODE_INTERNALS | {"horizon", "in_flight", "operation_nodes", "operations",
+    "dispatch_facts": (R.NodeRow, NODE_INTERNALS | {"horizon", "in_flight", "operation_nodes", "operations", "tokens",
                                                     "room_node", "room_cpu_millis", "room_memory_bytes",
                                                     "room_disk_bytes", "room_gpus", "room_slots"}),
     "list_nodes": (R.NodeRow, NODE_INTERNALS),

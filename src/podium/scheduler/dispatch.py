@@ -193,6 +193,11 @@ class _Placing(abc.ABC):
         """Pure once the rows are read: the Placer sees the nodes (`snaps`) and reserves as it goes."""
         if len(tasks) < self._asked:
             self.drained = True
+        placed, unplaced = self._placed(tasks)
+        self.room -= len(placed)
+        return placed, unplaced
+
+    def _placed(self, tasks: list[ClaimedTaskRow]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
         placed: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}
         if not tasks:
@@ -216,7 +221,6 @@ class _Placing(abc.ABC):
                         snaps[result.node_id].capability_snapshot(),
                     )
                 )
-        self.room -= len(placed)
         return placed, unplaced
 
 
@@ -225,17 +229,57 @@ class DispatchPass(_Placing):
     changed since the last read folded in), and whether this pass looks at the whole window (for
     reasons) or only at what the free room could take."""
 
+    def __init__(self, dispatcher: Dispatcher, *, whole_window: bool) -> None:
+        super().__init__(dispatcher, whole_window=whole_window)
+        # what `foresee` made of the pass's new tasks (their ids in claim order, their placements and
+        # the reasons of those it could not place), for the first `place` to give again
+        self._foreseen: tuple[list[uuid.UUID], list[PlacementDecision], dict[uuid.UUID, str]] | None = None
+
     def begin(self, changed: list[NodeRow], room: list[NodeRoomRow], horizon: int, operations: dict[str, int]) -> None:
         d = self.dispatcher
         # a retried transaction (`Store.dispatch`) begins again: nothing its rolled-back try claimed,
-        # found or reserved in its placer holds
+        # found, foresaw or reserved in its placer holds
         self._placer = None
+        self._foreseen = None
         self.drained = False
         d._remember_nodes(changed, room, horizon, operations)
         d._snaps = with_operations(d._snaps, operations)
         if self.whole_window:
             d._smallest = None  # learnt again from the window's head, which this pass claims whole
         self.room = placeable_at_most(d._snaps.values(), d._smallest)
+
+    def foresee(self, tasks: list[ClaimedTaskRow]) -> list[PlacementDecision]:
+        # Placed now, on this pass's placer, as the claim will give them if nothing queued comes first:
+        # the same placer state and the same order make the same choices then (placement is pure).
+        placed, unplaced = self._placed(tasks)
+        self._foreseen = ([t.id for t in tasks], placed, unplaced)
+        return placed
+
+    def place(self, tasks: list[ClaimedTaskRow]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
+        foreseen, self._foreseen = self._foreseen, None
+        if foreseen is None:
+            return super().place(tasks)
+        ids, placed, unplaced = foreseen
+        if [t.id for t in tasks[: len(ids)]] == ids:
+            # as foreseen: the same placer, the same tasks first, in the same order
+            more, waiting = self._placed(tasks[len(ids) :])
+        else:
+            # Queued tasks came first (stored by a busy moment's handlers, not yet heard of). The
+            # foreseen placements stand only if every task claimed is placed beside them: then none
+            # waits for room a newer one took. Otherwise, and if the claim left one of them out, every
+            # claimed task is placed in claim order on the nodes as they were, as if none was foreseen
+            # (a foreseen task placed elsewhere gets a new token: its first Assign is a stale attempt's).
+            new = set(ids)
+            kept = not unplaced and new <= {t.id for t in tasks}
+            more, waiting = self._placed([t for t in tasks if t.id not in new]) if kept else ([], {})
+            if not kept or waiting:
+                self._placer = None
+                return super().place(tasks)
+        if len(tasks) < self._asked:
+            self.drained = True
+        placed = placed + more
+        self.room -= len(placed)
+        return placed, {**unplaced, **waiting}
 
     @property
     def snaps(self) -> dict[str, NodeSnapshot]:
@@ -323,11 +367,15 @@ class RefillPass(_Placing):
 
 class EarlyPush(Protocol):
     """Where a dispatch's Assigns may go before its COMMIT (`Gateway`): `push_before_commit` sends them
-    if it may (True); `accept_in_pass` then answers with the acceptances their nodes sent meanwhile,
-    for the dispatch to make in its own transaction; and `commit_known` is told, with the same rows,
-    once the commit is known, which of their attempts it committed and which acceptances it made."""
+    if it may (True); `accepted_now` answers at once with the acceptances their nodes have sent
+    already, for the dispatch's write to make, and `accept_in_pass` with those that come meanwhile,
+    waited for, for the dispatch to make in its own transaction; and `commit_known` is told, with the
+    same rows, once the commit is known, which of their attempts it committed and which acceptances it
+    made."""
 
     def push_before_commit(self, rows: list[OutboxRow]) -> bool: ...
+
+    async def accepted_now(self, tokens: list[int]) -> Sequence[Change]: ...
 
     async def accept_in_pass(self, rows: list[OutboxRow]) -> Sequence[Change]: ...
 
@@ -568,6 +616,11 @@ class Dispatcher:
                 submissions=[sub for sub, _fut in handed],
                 before_commit=before_commit if early is not None else None,
                 accept_before_commit=early.accept_in_pass if early is not None else None,
+                accepted_before_write=early.accepted_now if early is not None else None,
+                # new tasks placed before the transaction only when the last look found the queue
+                # drained (tasks stored since by busy handlers may still come first: their placements
+                # stand only if everything claimed fits beside them, `DispatchPass.place`)
+                foresee=not self._queued_maybe,
             )
             committed = {token for _t, _n, token in outcome.assigned}
             accepted = outcome.accepted
@@ -583,8 +636,8 @@ class Dispatcher:
             # The Assigns first: the gateway queues a few on their streams in this call (when they
             # need no secret read), so the streams' writers run before the submissions' handlers,
             # whose HTTP answers are not on the way to any task's start.
-            if outcome.delivered and not outcome.pushed:
-                self.push(outcome.delivered)
+            if untaken := outcome.untaken:
+                self.push(untaken)
         finally:
             self._answer_handed(handed, outcome.submitted)  # stored, whatever befalls the push
         if whole and not outcome.window_full and not outcome.lost_races:

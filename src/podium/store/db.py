@@ -234,17 +234,27 @@ class DispatchOutcome:
     window_full: bool = False  # nothing claimed: too many assignments wait for their nodes already
     # Assigns marked delivered by this dispatch (their nodes' streams are the caller's): to push now
     delivered: list[OutboxRow] = field(default_factory=list)
-    # `delivered` was taken by the dispatch's `before_commit`, which sent them while the COMMIT was
-    # on its way: the caller pushes nothing of them
+    # every one of `delivered` was taken by the dispatch's `before_commit`, which sent them before the
+    # COMMIT was known: the caller pushes nothing of them
     pushed: bool = False
-    # `delivered` was offered to `before_commit` before the pass's write (taken or not: not again)
-    offered_before_write: bool = False
+    # the fencing tokens of the Assigns offered to `before_commit` (each once, taken or not), and of
+    # those it took: the caller pushes the rows of `delivered` it did not take (`untaken`)
+    offered: set[int] = field(default_factory=set)
+    taken: set[int] = field(default_factory=set)
     # the tasks of each submission given to the pass, stored in its transaction (empty: none were,
     # the window was full and the pass ended before its transaction)
     submitted: list[dict[uuid.UUID, TaskRow]] = field(default_factory=list)
     # the fencing tokens whose acceptance (`accept_before_commit`'s changes) this pass made in its
     # own transaction: recorded once it commits, never before
     accepted: list[int] = field(default_factory=list)
+    # acceptances taken before the write (`accepted_before_write`) that it did not make itself: made
+    # with the others after it
+    acceptances: list[Change] = field(default_factory=list)
+
+    @property
+    def untaken(self) -> list[OutboxRow]:
+        """The Assigns of `delivered` that `before_commit` did not send: the caller's to push."""
+        return [r for r in self.delivered if r.fencing_token not in self.taken]
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +299,13 @@ class DispatchPlan(Protocol):
 
     def place(self, tasks: list[ClaimedTaskRow]) -> tuple[list[PlacementDecision], dict[uuid.UUID, str]]:
         """Placements for these claimed tasks, and the queued reason of each one not placed."""
+
+    def foresee(self, tasks: list[ClaimedTaskRow]) -> list[PlacementDecision]:
+        """Placements for new tasks this pass is about to store, given in the order its claim will
+        return them if nothing queued comes first, made before its transaction (their Assigns go out
+        while it runs). If its first claim then returns them first and in that order, `place` gives
+        them the same placements; otherwise it places everything it claims as if none had been
+        foreseen, and a task may then land elsewhere (its foreseen Assign is for an attempt never made)."""
 
 
 class RefillPlan(Protocol):
@@ -1059,6 +1076,8 @@ class Store:
         submissions: Sequence[Submissions] = (),
         before_commit: Callable[[list[OutboxRow]], bool] | None = None,
         accept_before_commit: Callable[[list[OutboxRow]], Awaitable[Sequence[Change]]] | None = None,
+        foresee: bool = False,
+        accepted_before_write: Callable[[list[int]], Awaitable[Sequence[Change]]] | None = None,
     ) -> DispatchOutcome:
         """Claim up to `claim_limit` queued tasks, as many as `plan` wants, let it place them, and make
         the result durable in one transaction: reservations, attempts, fencing tokens, leases, events,
@@ -1092,15 +1111,30 @@ class Store:
         node, told nothing more, has its report of it refused as a stale attempt's once the commit is
         known, as for a pass that fails.
 
+        With `foresee` (the caller believes nothing else is queued), a few `submissions` are placed
+        before the transaction, on the nodes as the first read found them, and their Assigns offered
+        to `before_commit` then (`_present`): they travel to their nodes, and the acceptances come back,
+        while the pass stores, claims and writes. The claim decides as always: a task it places
+        elsewhere (a queued one came first) gets a new token, and its first Assign is a stale attempt's.
+
+        `accepted_before_write` answers, without waiting, the acceptances the nodes of Assigns sent
+        already have returned (their fencing tokens given): the write makes them with the assignments
+        (`assign_tasks`), one round trip fewer than a statement of their own after it. Those that come
+        later are waited for after the write (`accept_before_commit`), as before.
+
         A pass is six round trips when it places anything (the window, horizon, operations and
         changed nodes in one read, BEGIN, a claim per chunk, the nodes' locks (and tokens), the
-        reservations and assignments in one write, COMMIT), seven with acceptances made in it: on an
-        idle fleet a task's way to its node is mostly these."""
+        reservations and assignments in one write, COMMIT), seven with acceptances made after its
+        write. A task handed to an idle fleet's dispatcher is six with its insert: the first read
+        (its token), BEGIN, the insert, the claim (the node's lock), the write (its acceptance), COMMIT
+        — its node's round trip under way meanwhile. On an idle fleet a task's way to its node is
+        mostly these."""
         out = DispatchOutcome()
         try:
             return await self._dispatch(
                 out, claim_limit, assign_window, accept_seconds, lease_seconds, plan, actor, nodes_since,
-                reconcile_seconds, sorted(deliver_here), submissions, before_commit, accept_before_commit,
+                reconcile_seconds, sorted(deliver_here), submissions, before_commit, accept_before_commit, foresee,
+                accepted_before_write,
             )
         except asyncpg.UniqueViolationError as e:
             # Nothing of this batch was written; the next tick places it again on fresh state. Either
@@ -1128,12 +1162,17 @@ class Store:
         submissions: Sequence[Submissions],
         before_commit: Callable[[list[OutboxRow]], bool] | None,
         accept_before_commit: Callable[[list[OutboxRow]], Awaitable[Sequence[Change]]] | None,
+        foresee: bool,
+        accepted_before_write: Callable[[list[int]], Awaitable[Sequence[Change]]] | None,
     ) -> DispatchOutcome:
         async with self._conn() as conn:
+            # new tasks this pass may place before its transaction, their Assigns sent while it runs
+            foreseen = self._foreseeable(submissions) if foresee and before_commit is not None and deliver_here else []
             # the horizon (whatever commits after it is read again next time), the window, the
-            # operations and the nodes changed since the last horizon: one read, outside the
-            # transaction (it locks nothing, and its one snapshot is what the horizon says it is)
-            rows = await conn.fetch(self.q["dispatch_facts"], assign_window or 0, nodes_since)
+            # operations and the nodes changed since the last horizon, and a fencing token for each
+            # foreseen task: one read, outside the transaction (it locks nothing, and its one snapshot
+            # is what the horizon says it is)
+            rows = await conn.fetch(self.q["dispatch_facts"], assign_window or 0, nodes_since, len(foreseen))
             facts = next(r for r in rows if r["operation_nodes"] is not None)  # the first row (dispatch_facts)
             out.limit = claim_limit
             if assign_window is not None:
@@ -1149,21 +1188,89 @@ class Store:
                 # nothing to store and no room to place in: no transaction to open and commit (a pass
                 # woken by a commit of ends whose room that commit placed on already, `Refill`)
                 return out
+            presented: dict[uuid.UUID, tuple[str, int]] = {}
+            if foreseen:
+                assert before_commit is not None
+                presented = self._present(out, plan, foreseen, facts["tokens"], deliver_here, before_commit)
             async with conn.transaction():
                 # new tasks first, visible to the claim below: stored and placed in one commit. No
                 # dispatcher is woken for them: this pass claims them, and one that cannot place
                 # them now is woken again by what frees room, as for any queued task
                 out.submitted = [await self._insert_tasks(conn, sub, wake_dispatch=False) for sub in submissions]
                 await self._claim_and_assign(conn, out, accept_seconds, lease_seconds, plan, actor, reconcile_seconds,
-                                             deliver_here, before_commit)  # fmt: skip
+                                             deliver_here, before_commit, presented=presented,
+                                             accepted_before_write=accepted_before_write)  # fmt: skip
                 if before_commit is not None and out.delivered:
-                    # offered before the write if they could be (`_claim_and_assign`), else now
-                    if not out.offered_before_write:
-                        out.pushed = before_commit(out.delivered)
-                    if out.pushed and accept_before_commit is not None:
-                        accepting = await accept_before_commit(out.delivered)
-                        out.accepted = await self._accept_in_pass(conn, accepting)
+                    # what was not offered before the write (`_claim_and_assign`) or the transaction, now
+                    self._offer(out, out.delivered, before_commit)
+                    out.pushed = not out.untaken
+                    made = set(out.accepted)
+                    sent = [r for r in out.delivered if r.fencing_token in out.taken and r.fencing_token not in made]
+                    if sent and accept_before_commit is not None:
+                        accepting = [*out.acceptances, *await accept_before_commit(sent)]
+                        out.accepted += await self._accept_in_pass(conn, accepting)
+                    elif out.acceptances:
+                        out.accepted += await self._accept_in_pass(conn, out.acceptances)
                 return out
+
+    @staticmethod
+    def _foreseeable(submissions: Sequence[Submissions]) -> list[ClaimedTaskRow]:
+        """The new tasks a pass may place before its transaction (`DispatchPlan.foresee`), as its claim
+        would return them (stored by one transaction, they share its `now()` as their age: by priority,
+        then id): all of them, or none when they are many (`EARLY_ASSIGNS_MAX`), or one asks for GPUs
+        (their indexes are drawn by the write) or names an image (claimed once it is resolved)."""
+        rows = [r for sub in submissions for r in sub.rows]
+        if not rows or len(rows) > EARLY_ASSIGNS_MAX:
+            return []
+        if any(r[7] or json.loads(r[2]).get("image") is not None for r in rows):
+            return []
+        return [ClaimedTaskRow(r[0], r[2], r[4], r[5], r[6], r[7], None, None, None, 0)
+                for r in sorted(rows, key=lambda r: (-r[3], r[0]))]  # fmt: skip
+
+    def _present(
+        self,
+        out: DispatchOutcome,
+        plan: DispatchPlan,
+        foreseen: list[ClaimedTaskRow],
+        tokens: list[int],
+        deliver_here: list[str],
+        before_commit: Callable[[list[OutboxRow]], bool],
+    ) -> dict[uuid.UUID, tuple[str, int]]:
+        """Place a pass's new tasks before its transaction (`DispatchPlan.foresee`), each with a token
+        drawn by its first read, and offer the Assigns of those on nodes whose streams the caller holds:
+        they travel to their nodes, and the acceptances come back, while the pass stores, claims and
+        writes (one task at a time, a node's round trip had been on its way after the write). Safe for
+        the reason an Assign sent before the COMMIT is (`Gateway.push_before_commit`): a node starts
+        nothing before its acceptance is recorded, which the pass's commit decides. The placements
+        made, by task: the pass writes a task placed on the same node with the same token."""
+        placed = plan.foresee(foreseen)
+        token_of = dict(zip((t.id for t in foreseen), tokens, strict=True))
+        spec_of = {t.id: t.spec for t in foreseen}
+        here = set(deliver_here)
+        assigns = sorted((OutboxRow("assign", p.node_id, p.task_id, token_of[p.task_id], 1, [], spec_of[p.task_id])
+                          for p in placed if p.node_id in here), key=lambda o: (o.node_id, o.fencing_token))  # fmt: skip
+        if assigns:
+            self._offer(out, assigns, before_commit)
+        return {p.task_id: (p.node_id, token_of[p.task_id]) for p in placed}
+
+    @staticmethod
+    def _offer(out: DispatchOutcome, rows: list[OutboxRow], before_commit: Callable[[list[OutboxRow]], bool]) -> None:
+        """Offer `before_commit` the Assigns of `rows` it was not offered yet (`DispatchOutcome.offered`)."""
+        rows = [r for r in rows if r.fencing_token not in out.offered]
+        if not rows:
+            return
+        out.offered.update(r.fencing_token for r in rows)
+        if before_commit(rows):
+            out.taken.update(r.fencing_token for r in rows)
+
+    @staticmethod
+    def _foldable(c: Change) -> bool:
+        """Whether the write can make this acceptance itself (`assign_tasks`): a node's plain word that it
+        took its assignment, which moves the task and its attempt to `provisioning` and nothing else."""
+        return (c.from_ == TaskState.ASSIGNED and c.to == TaskState.PROVISIONING and c.end_attempt is None
+                and c.attempt_state == AttemptState.PROVISIONING and c.fencing_token is not None and c.node_id is not None
+                and c.reason is None and c.detail is None and c.failure_class is None and c.exit_code is None
+                and not c.backend_ref and not c.stop and not c.release and c.revision is None and c.via is None)  # fmt: skip
 
     async def _accept_in_pass(self, conn: _Conn, changes: Sequence[Change]) -> list[int]:
         """Acceptances of a pass's own assignments, made in its transaction: the fencing tokens made.
@@ -1191,19 +1298,30 @@ class Store:
         *,
         nodes_locked: bool = False,
         write_reasons: bool = True,
+        presented: Mapping[uuid.UUID, tuple[str, int]] | None = None,
+        accepted_before_write: Callable[[list[int]], Awaitable[Sequence[Change]]] | None = None,
     ) -> DispatchOutcome:
         """Claim, place and write (see `dispatch`). `nodes_locked`: every node `plan` may place on is
         locked by this transaction already. Without `write_reasons`, a claimed task left unplaced keeps the
-        reason it had (`plan` saw only some of the nodes: it does not know the true one)."""
+        reason it had (`plan` saw only some of the nodes: it does not know the true one). `presented`:
+        the tasks placed before the transaction (`_present`), each with its node and fencing token: one
+        placed on that node again is written with that token. `accepted_before_write`: see `dispatch`."""
         claim_limit = out.limit
         claimed: list[uuid.UUID] = []
         claimed_rows: list[ClaimedTaskRow] = []
         placements: list[PlacementDecision] = []
         unplaced: dict[uuid.UUID, str] = {}
         want = min(plan.want(0, claim_limit), claim_limit)
+        # the nodes of the tasks placed before the transaction, locked by the first claim if it finds
+        # nothing else to place (`claim_queued`)
+        foreseen = sorted({node for node, _token in presented.values()}) if presented else []
+        locked: set[str] = set()
         while want > 0:
             # rows this transaction locked already are not skipped by SKIP LOCKED: name them
-            got = await conn.fetch(self.q["claim_queued"], want, claimed)
+            got = await conn.fetch(self.q["claim_queued"], want, claimed, [] if claimed else foreseen,
+                                   list(presented or ()))  # fmt: skip
+            if got and got[0]["locked"] == len(foreseen) > 0 and not claimed:
+                locked = set(foreseen)
             if got and got[-1]["held"]:
                 out.held = True  # the marker of a short claim that passed over a held task (not a task)
                 got = got[:-1]
@@ -1228,21 +1346,33 @@ class Store:
                 acc[3] += p.gpus
                 acc[4] += 1
             ids = sorted(per_node)
-            early = self._early_assigns(placements, claimed_rows, deliver_here) if before_write is not None else None
-            tokens: dict[uuid.UUID, int] = {}
+            # a task placed where it was placed before the transaction keeps the token its Assign carried
+            tokens = {p.task_id: x[1] for p in placements
+                      if presented and (x := presented.get(p.task_id)) is not None and x[0] == p.node_id}  # fmt: skip
+            rest = [p for p in placements if p.task_id not in tokens]
+            early = self._early_assigns(rest, claimed_rows, deliver_here) if before_write is not None else None
             if early is None:
                 # its own statement: the assignment's snapshot must begin after these locks are held
-                if not nodes_locked:
+                # (the claim's, when it took them)
+                if not nodes_locked and not locked.issuperset(ids):
                     await conn.execute(self.q["lock_nodes"], ids)
             else:
                 drawn = await conn.fetchrow(self.q["lock_nodes_drawing_tokens"], ids, len(early))
                 assert drawn is not None
-                tokens = dict(zip((p.task_id for p in placements), drawn["tokens"], strict=True))
+                tokens.update(zip((p.task_id for p, _t in early), drawn["tokens"], strict=True))
                 assigns = sorted((OutboxRow("assign", p.node_id, p.task_id, tokens[p.task_id], t.attempts + 1, [], t.spec)
                                   for p, t in early), key=lambda o: (o.node_id, o.fencing_token))  # fmt: skip
                 assert before_write is not None
-                out.offered_before_write = True
-                out.pushed = before_write(assigns)
+                self._offer(out, assigns, before_write)
+            # the acceptances already back for Assigns sent before this write, made by it
+            folded: list[tuple[int, str, str, float | None]] = []
+            if accepted_before_write is not None and (sent := sorted(out.taken & set(tokens.values()))):
+                for c in await accepted_before_write(sent):
+                    if self._foldable(c):
+                        assert c.fencing_token is not None and c.node_id is not None
+                        folded.append((c.fencing_token, c.node_id, c.actor, c.lease_seconds))
+                    else:
+                        out.acceptances.append(c)
             got = await conn.fetch(
                 self.q["assign_tasks"],
                 [(p.task_id, p.node_id, ",".join(map(str, p.gpu_indexes)), p.snapshot, tokens.get(p.task_id))
@@ -1254,6 +1384,7 @@ class Store:
                 deliver_here,
                 ids,
                 *([per_node[i][k] for i in ids] for k in range(5)),
+                folded,
             )
             reserved = {r["reserved"] for r in got if r["reserved"] is not None}
             rows = [r for r in got if r["id"] is not None]
@@ -1263,6 +1394,7 @@ class Store:
             assert len(rows) == kept, "a claimed task changed state under its row lock"
             out.lost_races = len(placements) - kept
             out.assigned = [(r["id"], r["node_id"], r["fencing_token"]) for r in rows]
+            out.accepted = [r["fencing_token"] for r in rows if r["accepted"]]
             out.delivered = sorted(
                 (OutboxRow("assign", r["node_id"], r["id"], r["fencing_token"], r["attempt"], list(r["gpu_indexes"]),
                            r["spec"]) for r in rows if r["here"]),

@@ -215,6 +215,12 @@ ORDER BY n.id FOR NO KEY UPDATE
 -- after it is answered with no pass, and the task waits for the tick once the lock is let go. The
 -- look is a plain read of the same queue (it waits for no lock, and sees a held row as it was last
 -- committed); a claim that filled its limit makes none.
+--
+-- $3 are the nodes a pass placed its new tasks ($4) on before its transaction (`Store._present`): a
+-- claim that comes up short with none but those tasks also takes those nodes' locks, in id order, after
+-- every task's (`c` is read whole first), and says so (`locked`, on every row): the pass then places
+-- on those nodes alone, and needs no statement of its own to lock them. Any other claim locks none:
+-- a pass that places elsewhere too locks all its nodes at once, in id order, as it always did.
 WITH c AS MATERIALIZED (
     SELECT t.id, t.spec::text AS spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
            t.attempts,
@@ -227,12 +233,18 @@ WITH c AS MATERIALIZED (
     ORDER BY t.priority DESC, t.created_at, t.id
     LIMIT $1
     FOR UPDATE OF t SKIP LOCKED
+), lk AS (
+    SELECT n.id FROM nodes n
+    WHERE n.id = ANY($3::text[]) AND (SELECT count(*) FROM c) < $1
+      AND NOT EXISTS (SELECT 1 FROM c WHERE NOT (c.id = ANY($4::uuid[])))
+    ORDER BY n.id
+    FOR NO KEY UPDATE
 )
 SELECT id, spec, cpu_millis, memory_bytes, disk_bytes, gpus, reason, image_digest, attempts, avoid,
-       false AS held, priority, created_at
+       false AS held, priority, created_at, (SELECT count(*) FROM lk) AS locked
 FROM c
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true, NULL, NULL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true, NULL, NULL, (SELECT count(*) FROM lk)
 -- (CASE, not AND: PostgreSQL orders an AND's terms by their cost, and would look at the queue for a
 -- claim that filled its limit too)
 WHERE CASE WHEN (SELECT count(*) FROM c) < $1 THEN EXISTS (
@@ -259,7 +271,16 @@ ORDER BY held, priority DESC, created_at, id
 -- marked delivered here and come back with what the Assign carries (attempt, GPU indexes, pinned
 -- spec), pushed by that server as soon as this commits, with no outbox take; a push that then fails is
 -- repaired as a take's is (the node's next Hello redelivers). Every other node is told by NOTIFY
--- podium_node. One row for each node reserved (its id alone: the caller refuses the whole write when a
+-- podium_node.
+--
+-- $13 are acceptances the nodes sent already (`Store._claim_and_assign`: their Assigns went out before
+-- this write), each [fencing token, node, actor, lease seconds]: an assignment whose token and node one
+-- names is written accepted, as transition_tasks(assigned → provisioning) would make it after this
+-- statement — the task `provisioning` (its revision moved twice, no accept deadline, the acceptance's
+-- lease), the attempt `provisioning` (keeping the deadline it had), and both events in order — in
+-- the round trip of the write, not one of its own.
+--
+-- One row for each node reserved (its id alone: the caller refuses the whole write when a
 -- claimed task on one was no longer queued), and one for each assignment. Not a join of the two: the
 -- planner knows no CTE's size, and joined them in a nested loop, every reserved node against every
 -- assignment (250,000 comparisons, ~40 ms of a 146 ms write, for a pass of 500 on 500 nodes).
@@ -286,18 +307,29 @@ WITH r AS (
     -- the placements as one JSON array of arrays (an array parameter per column cost the client a type
     -- check and an encoding call per element): task, node, GPU indexes ("0,1"), the node as seen, and
     -- the fencing token drawn for it already (`lock_nodes_drawing_tokens`), or null to draw one here
-    SELECT (v->>0)::uuid AS id, v->>1 AS node_id, v->>2 AS gpu_indexes, v->3 AS snapshot, (v->>4)::bigint AS token
+    SELECT (v->>0)::uuid AS id, v->>1 AS node_id, v->>2 AS gpu_indexes, v->3 AS snapshot, (v->>4)::bigint AS token,
+           ac.actor AS accepted_by, ac.lease AS accepted_lease
     FROM jsonb_array_elements($1::jsonb) AS p(v)
+    LEFT JOIN (SELECT (x->>0)::bigint AS token, x->>1 AS node_id, x->>2 AS actor, (x->>3)::float8 AS lease
+               FROM jsonb_array_elements($13::jsonb) AS k(x)) ac
+           ON ac.token = (v->>4)::bigint AND ac.node_id = v->>1
     WHERE v->>1 IN (SELECT id FROM r)
 ), t AS (
     UPDATE tasks SET
-        state = 'assigned', reason = NULL, node_id = d.node_id, revision = tasks.revision + 1,
+        state = CASE WHEN d.accepted_by IS NULL THEN 'assigned' ELSE 'provisioning' END, reason = NULL,
+        node_id = d.node_id, revision = tasks.revision + CASE WHEN d.accepted_by IS NULL THEN 1 ELSE 2 END,
         fencing_token = COALESCE(d.token, nextval('fencing_tokens')), attempts = tasks.attempts + 1,
         -- clock_timestamp(), not now(): a transaction that was slow between its claim and this write
         -- must not hand out an assignment with its accept window already spent
-        accept_deadline = clock_timestamp() + make_interval(secs => $2),
-        lease_expires_at = clock_timestamp() + make_interval(secs => $3),
+        accept_deadline = CASE WHEN d.accepted_by IS NULL THEN clock_timestamp() + make_interval(secs => $2) END,
+        lease_expires_at = CASE WHEN d.accepted_by IS NULL THEN clock_timestamp() + make_interval(secs => $3)
+                                WHEN d.accepted_lease IS NULL THEN clock_timestamp() + make_interval(secs => $3)
+                                WHEN d.accepted_lease < 0 THEN NULL
+                                ELSE now() + make_interval(secs => d.accepted_lease) END,
         exit_code = NULL, started_at = NULL, cancel_requested_at = NULL, cancel_reason = NULL,
+        -- (what an acceptance clears besides)
+        reason_detail = CASE WHEN d.accepted_by IS NULL THEN tasks.reason_detail END,
+        finished_at = CASE WHEN d.accepted_by IS NULL THEN tasks.finished_at END,
         updated_at = now()
     FROM d
     -- `(… = 'queued') IS TRUE`, not `… = 'queued'`: the same test, but one the planner does not match
@@ -307,19 +339,21 @@ WITH r AS (
     -- write). Each task is found by its primary key instead
     WHERE tasks.id = d.id AND (tasks.state = 'queued') IS TRUE
     RETURNING tasks.id, tasks.node_id, tasks.fencing_token, tasks.attempts, tasks.cpu_millis,
-              tasks.memory_bytes, tasks.disk_bytes, tasks.gpus, tasks.accept_deadline, d.gpu_indexes,
+              tasks.memory_bytes, tasks.disk_bytes, tasks.gpus, d.gpu_indexes, d.accepted_by,
+              COALESCE(tasks.accept_deadline, clock_timestamp() + make_interval(secs => $2)) AS accept_deadline,
               COALESCE(tasks.spec->>'backend', 'process') AS backend_kind, d.snapshot, tasks.max_attempts,
               COALESCE(string_to_array(NULLIF(d.gpu_indexes, ''), ',')::int[], '{}') AS gpus_given,
               tasks.node_id = ANY($6::text[]) AS here, tasks.spec, tasks.image, tasks.image_digest
 ), a AS (
     INSERT INTO attempts (task_id, attempt, fencing_token, node_id, state, cpu_millis, memory_bytes,
                           disk_bytes, gpus, gpu_indexes, accept_deadline, backend_kind, capability_snapshot,
-                          retry_count, retry_limit, next_reconcile_at, delivered_at)
-    SELECT t.id, t.attempts, t.fencing_token, t.node_id, 'assigned', t.cpu_millis, t.memory_bytes, t.disk_bytes,
+                          retry_count, retry_limit, next_reconcile_at, delivered_at, provisioning_at)
+    SELECT t.id, t.attempts, t.fencing_token, t.node_id, CASE WHEN t.accepted_by IS NULL THEN 'assigned' ELSE 'provisioning' END,
+           t.cpu_millis, t.memory_bytes, t.disk_bytes,
            t.gpus, t.gpus_given, t.accept_deadline,
            t.backend_kind, t.snapshot || jsonb_build_object('materializations', n.materializations),
            t.attempts - 1, GREATEST(t.max_attempts - 1, 0), clock_timestamp() + make_interval(secs => $5),
-           CASE WHEN t.here THEN now() END
+           CASE WHEN t.here THEN now() END, CASE WHEN t.accepted_by IS NOT NULL THEN now() END
     FROM t JOIN nodes n ON n.id = t.node_id
 ), g AS (
     -- the primary key makes a GPU index impossible to hand out twice: a racing scheduler's whole
@@ -327,14 +361,21 @@ WITH r AS (
     INSERT INTO gpu_claims (node_id, gpu_index, fencing_token)
     SELECT t.node_id, gi::int, t.fencing_token FROM t, unnest(string_to_array(NULLIF(t.gpu_indexes, ''), ',')) gi
 ), e AS (
+    -- an accepted one's acceptance after its assignment (ids in this order: a stream reads a task's
+    -- events in id order)
     INSERT INTO task_events (task_id, from_state, to_state, reason, actor, fencing_token)
-    SELECT id, 'queued', 'assigned', NULL, $4, fencing_token FROM t
+    SELECT t.id, v.from_state, v.to_state, NULL, v.actor, t.fencing_token
+    FROM t CROSS JOIN LATERAL (VALUES (0, 'queued', 'assigned', $4::text),
+                                      (1, 'assigned', 'provisioning', t.accepted_by)) AS v(k, from_state, to_state, actor)
+    WHERE v.k = 0 OR t.accepted_by IS NOT NULL
+    ORDER BY t.id, v.k
 )
 SELECT r.id AS reserved, NULL::uuid AS id, NULL::text AS node_id, NULL::bigint AS fencing_token, NULL::boolean AS here,
-       NULL::int AS attempt, NULL::int[] AS gpu_indexes, NULL::text AS spec
+       NULL::int AS attempt, NULL::int[] AS gpu_indexes, NULL::text AS spec, NULL::boolean AS accepted
 FROM r
 UNION ALL
-SELECT NULL, t.id, t.node_id, t.fencing_token, t.here, t.attempts, t.gpus_given, CASE WHEN t.here THEN {{pinned_spec: t}} END
+SELECT NULL, t.id, t.node_id, t.fencing_token, t.here, t.attempts, t.gpus_given, CASE WHEN t.here THEN {{pinned_spec: t}} END,
+       t.accepted_by IS NOT NULL
 FROM t
 
 -- set_queued_reasons --
@@ -476,7 +517,10 @@ ORDER BY c.id
 -- GPU indexes its attempts hold); of any other, its whole row too (n.*). One row per changed node, the
 -- horizon and the window's count repeated on each, the operations on the first row only; one row with
 -- no node when none changed, or when the window is full ($1 > 0 and as many wait): that pass claims
--- nothing and reads the nodes next time. The horizon and the nodes come from one snapshot.
+-- nothing and reads the nodes next time. The horizon and the nodes come from one snapshot. $3 new
+-- fencing tokens come on the first row too (`tokens`): a pass handed new tasks places them before its
+-- transaction and sends their Assigns with these (`Store.dispatch`); a sequence is not transactional,
+-- so a token drawn here and never used is only a number skipped.
 WITH f AS MATERIALIZED (
     -- computed once (pulled up into the join, the window's count was run twice, once for the column
     -- and once for the join's condition: ~1.5 ms a pass at 1,600 assignments)
@@ -484,6 +528,9 @@ WITH f AS MATERIALIZED (
            (SELECT count(*) FROM (SELECT 1 FROM tasks WHERE state = 'assigned' LIMIT $1) x)::int AS in_flight,
            COALESCE(o.nodes, '{}') AS operation_nodes, COALESCE(o.counts, '{}') AS operations
     FROM (SELECT array_agg(node_id) AS nodes, array_agg(n) AS counts FROM {{operations: attempts}}) o
+), k AS (
+    -- apart from f: a volatile call (nextval) in f would keep PostgreSQL from ever inlining it
+    SELECT ARRAY(SELECT nextval('fencing_tokens') FROM generate_series(1, $3::int)) AS tokens
 )
 SELECT h.horizon, h.in_flight,
        -- The operations' arrays (an entry per node with an assignment or a provisioning in flight)
@@ -493,6 +540,7 @@ SELECT h.horizon, h.in_flight,
        -- temporary files and took ~490 ms (75 ms so), and a read of 3,126 changed nodes 45 ms (33).
        CASE WHEN row_number() OVER () = 1 THEN (SELECT operation_nodes FROM f) END AS operation_nodes,
        CASE WHEN row_number() OVER () = 1 THEN (SELECT operations FROM f) END AS operations,
+       CASE WHEN row_number() OVER () = 1 THEN (SELECT tokens FROM k) END AS tokens,
        c.id AS room_node, c.res_cpu_millis AS room_cpu_millis, c.res_memory_bytes AS room_memory_bytes,
        c.res_disk_bytes AS room_disk_bytes, c.res_gpus AS room_gpus, c.res_slots AS room_slots,
        ARRAY(SELECT g.gpu_index FROM gpu_claims g WHERE g.node_id = c.id) AS gpus_in_use, n.*
