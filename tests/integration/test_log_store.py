@@ -185,3 +185,39 @@ async def test_an_insert_for_many_tasks_splits_its_notify_below_the_payload_limi
     assert all(len(p.encode()) < 8000 for p in payloads)
     named = [t for p in payloads for t in p.split(",")]
     assert sorted(named) == sorted(str(t) for t in tids)
+
+
+async def test_a_group_commit_stores_its_output_with_the_read_of_its_tasks_and_tells_followers_whatever_it_finds(
+    store: Store,
+) -> None:
+    """A group commit's output chunks are stored by the statement that locks and reads its tasks (one
+    round trip, not two): stored and told when the reported task is found, and when none is (the
+    chunks are other tasks'), and the read is what it was."""
+    tid, token = await placed(store)
+    order: list[str] = []
+    store.q = _Noted(store.q, order)
+    async with Heard(store) as heard:
+        decided: list[dict] = []
+        await store.transition_decided([tid], lambda rows: decided.append(dict(rows)) or [],
+                                       logs=[chunk(tid, token, 0, "stdout", 0, b"a\n")])  # fmt: skip
+        assert [f.state for f in decided[0].values()] == ["assigned"] and list(decided[0]) == [tid]
+        assert await heard.settled() == [str(tid)]
+        # no task of the batch is found: the output is stored and told all the same, and nothing is read
+        await store.transition_decided([uuid.uuid4()], lambda rows: decided.append(dict(rows)) or [],
+                                       logs=[chunk(tid, token, 1, "stdout", 2, b"b\n")])  # fmt: skip
+        assert decided[1] == {}
+        assert await heard.settled() == [str(tid)]
+    assert [bytes(r.data) for r in await store.read_logs(tid, limit=10)] == [b"a\n", b"b\n"]
+    assert "insert_logs" not in order and order.count("lock_task_facts_storing_logs") == 2
+
+
+class _Noted(dict):  # type: ignore[type-arg]
+    """A store's statements, noting each one's name as it is taken to be run."""
+
+    def __init__(self, q: dict[str, str], order: list[str]) -> None:
+        super().__init__(q)
+        self.order = order
+
+    def __getitem__(self, name: str) -> str:
+        self.order.append(name)
+        return super().__getitem__(name)

@@ -22,6 +22,7 @@ from tests.integration.helpers import add_node, place, submit
 KEYED_STATEMENTS: dict[str, set[str]] = {
     "lock_tasks": set(),
     "lock_task_facts": set(),
+    "lock_task_facts_storing_logs": set(),
     "lock_nodes_of_tasks": set(),
     "transition_tasks": set(),
     "insert_logs": set(),
@@ -240,7 +241,7 @@ async def test_a_store_of_generic_plans_plans_a_group_commit_once_per_session(st
             async with s.pool.acquire() as c:
                 row = await c.fetchrow(
                     "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE strpos(statement, $1) = 1",
-                    queries()["insert_logs"][:60],
+                    queries()["lock_task_facts_storing_logs"][:60],
                 )
             plans[name] = (row["generic_plans"], row["custom_plans"])
         finally:

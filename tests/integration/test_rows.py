@@ -30,6 +30,7 @@ QUERIES: dict[str, tuple[type[R.Row], set[str]]] = {
     "claim_unresolved": (R.UnresolvedRow, set()),
     "tasks_on_node": (R.NodeTaskRow, set()),
     "lock_task_facts": (R.TaskFactsRow, set()),
+    "lock_task_facts_storing_logs": (R.TaskFactsRow, set()),
     "handover_due": (R.TaskFactsRow, set()),
     "drain_overdue": (R.TaskFactsRow, set()),
     "watch_overdue_accept": (R.TaskFactsRow, set()),

@@ -824,8 +824,9 @@ class Store:
         changes of the last `decide` and each one's answer. A task absent from the database is absent
         from the read.
 
-        `logs` are output chunks (as `insert_logs` takes them) stored first, in the same transaction:
-        the output a node sent before an end is committed with that end, not in a commit before it.
+        `logs` are output chunks (as `insert_logs` takes them) stored in the same transaction, by the
+        statement that locks and reads the tasks (`lock_task_facts_storing_logs`: no round trip of their
+        own): the output a node sent before an end is committed with that end, not in a commit before it.
 
         With `refill`, the nodes whose attempts the changes ended (their rows locked already) are read
         again once the changes are made, and queued tasks are placed on the room they have now, in the
@@ -834,8 +835,12 @@ class Store:
             if refill is not None:
                 refill.outcome, refill.room_left = None, False  # a retried transaction places again, on what it reads then
             if logs:
-                await conn.execute(self.q["insert_logs"], *[list(c) for c in zip(*logs, strict=True)])
-            read = TaskFactsRow.many(await conn.fetch(self.q["lock_task_facts"], list(task_ids), list(ending)))
+                # stored by the statement that locks and reads the tasks: one round trip for both
+                got = await conn.fetch(self.q["lock_task_facts_storing_logs"], list(task_ids), list(ending),
+                                       *[list(c) for c in zip(*logs, strict=True)])  # fmt: skip
+                read = TaskFactsRow.many([r for r in got if r["id"] is not None])
+            else:
+                read = TaskFactsRow.many(await conn.fetch(self.q["lock_task_facts"], list(task_ids), list(ending)))
             changes = list(decide({r.id: r for r in read}))
             if not changes:
                 return [], []

@@ -465,7 +465,26 @@ SELECT * FROM tasks WHERE id = $1
 -- single change takes them in. The nodes are locked while the batch is decided (no round trip more
 -- for them); a change that frees a node not locked here has it locked before it is written
 -- (`Store.transition_decided`).
-WITH t AS (
+WITH {{facts_locked: }}
+-- (`n` is named in the WHERE only to run it: a SELECT in WITH that nothing reads is never run; true
+-- for every row, it runs once, and reading `t` whole takes every task's lock before a node's)
+SELECT t.* FROM t WHERE (SELECT count(*) FROM n) >= 0
+
+-- lock_task_facts_storing_logs --
+-- lock_task_facts ($1, $2) with the output the group commit's nodes sent before their reports
+-- stored first ($3–$9, as insert_logs takes them): in the same statement, the round trip of a
+-- statement of their own saved on every group commit with output (a short task's last chunk comes
+-- with its end). The chunks' inserts lock nothing `t` or `n` waits for (a foreign key's check takes a
+-- share of the task's key, which its own lock, taken by the same transaction, does not wait for).
+-- `told` is read by an outer join's preserved side, so it runs even when no task of $1 is found (the
+-- chunks may be other tasks'): one row of nulls then, which the caller leaves out.
+WITH {{stored_logs: $3::uuid[], $4::bigint[], $5::text[], $6::bigint[], $7::bigint[], $8::bytea[], $9::text[]}},
+{{facts_locked: }}
+SELECT t.* FROM (SELECT count(*) FROM told) z LEFT JOIN t ON true WHERE (SELECT count(*) FROM n) >= 0
+
+-- _facts_locked --
+-- The tasks of $1 locked in id order and read, then the nodes of those of them in $2 (lock_task_facts).
+t AS (
     SELECT id, state, fencing_token, node_id, attempts, max_attempts, requeue_on_node_loss, timeout_seconds, cancel_reason
     FROM tasks WHERE id = ANY($1::uuid[])
     ORDER BY id
@@ -476,9 +495,6 @@ WITH t AS (
     ORDER BY n.id
     FOR NO KEY UPDATE
 )
--- (`n` is named in the WHERE only to run it: a SELECT in WITH that nothing reads is never run; true
--- for every row, it runs once, and reading `t` whole takes every task's lock before a node's)
-SELECT t.* FROM t WHERE (SELECT count(*) FROM n) >= 0
 
 -- wake_dispatch --
 -- Wake every dispatcher once this transaction commits (a commit whose own placements left room, or
@@ -608,18 +624,24 @@ SELECT * FROM task_events WHERE task_id = $1 AND id > $2 ORDER BY id LIMIT $3
 -- the ids of the tasks given new chunks, each once, comma-separated: one NOTIFY for the statement,
 -- not one per chunk, and one more per further 200 tasks (200 ids are 7,399 bytes; a payload must
 -- stay below 8,000). A chunk sent again and left as it was wakes no one.
-WITH stored AS (
+WITH {{stored_logs: $1::uuid[], $2::bigint[], $3::text[], $4::bigint[], $5::bigint[], $6::bytea[], $7::text[]}}
+SELECT count(*) FROM told
+
+-- _stored_logs --
+-- insert_logs' chunks (task, token, stream, seq, byte offset, data, node: the arrays __ROWS__), stored
+-- and told (`told`, which the including statement must read to run).
+stored AS (
     INSERT INTO log_chunks (task_id, fencing_token, stream, seq, byte_offset, data)
     SELECT d.task_id, d.token, d.stream, d.seq, d.byte_offset, d.data
-    FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::bigint[], $5::bigint[], $6::bytea[], $7::text[])
-         AS d(task_id, token, stream, seq, byte_offset, data, node_id)
+    FROM unnest(__ROWS__) AS d(task_id, token, stream, seq, byte_offset, data, node_id)
     JOIN attempts a ON a.task_id = d.task_id AND a.fencing_token = d.token AND a.node_id = d.node_id
     ON CONFLICT DO NOTHING
     RETURNING task_id
 ), written AS (
     SELECT task_id, (row_number() OVER () - 1) / 200 AS batch FROM (SELECT DISTINCT task_id FROM stored) t
+), told AS (
+    SELECT pg_notify('podium_logs', string_agg(task_id::text, ',')) FROM written GROUP BY batch
 )
-SELECT pg_notify('podium_logs', string_agg(task_id::text, ',')) FROM written GROUP BY batch
 
 -- read_logs --
 -- A task's output in the order it was written: attempt after attempt, then the agent's seq (both
