@@ -212,7 +212,7 @@ class PodiumServer:
 
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             **scheduler.tasks(), **resolver.tasks(), **reconciler.tasks(), **gateway.tasks(),
-            "api": api.serve, "server.lag": self._watch_loop_lag,
+            "api": api.serve, "server.lag": self._watch_loop_lag, "security.revocations": security.watch_revocations,
         }  # fmt: skip
         tasks: set[asyncio.Task[Any]] = {asyncio.create_task(_awaited(fn), name=name) for name, fn in loops.items()}
         stopper: asyncio.Task[Any] = asyncio.create_task(self._stop.wait(), name="stop")

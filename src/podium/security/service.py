@@ -6,23 +6,32 @@ they are never logged, never returned by the API, never part of an error message
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from podium.errors import Forbidden, InvalidRequest, NotFound, Unauthorized
+from podium.errors import Forbidden, InvalidRequest, NotFound, StoreUnavailable, Unauthorized
 from podium.security import tokens
 from podium.security.secretbox import SecretBox, write_private
 from podium.security.tokens import Role
 from podium.store import Store
-from podium.store.rows import SecretRow, TokenRow
+from podium.store.rows import SecretRow, TokenCheckRow, TokenRow
 
 log = logging.getLogger(__name__)
 
 REGISTRY_PREFIX = "registry:"
+# A token an operator presented is kept, and checked again without a round trip to the store, for at
+# most this long, and only while this server hears every revocation (`Security.watch_revocations`): a
+# revoked token is refused as soon as the revocation's NOTIFY arrives. The time bounds a LISTEN that
+# went silent without its connection failing.
+TOKEN_KEPT_SECONDS = 5.0
+TOKENS_KEPT = 1024  # at most this many at once (dropped all at once past it)
+REVOCATIONS = "podium_tokens"  # the channel revoke_token notifies, its payload the token's id
 _HOST = re.compile(r"^[A-Za-z0-9.\-]+(:[0-9]{1,5})?$")
 
 
@@ -63,8 +72,62 @@ class Security:
     def __init__(self, store: Store, box: SecretBox) -> None:
         self.store = store
         self.box = box  # also used by the gateway's own Security, over its own pool
+        # The token rows `authenticate` read lately, with when (monotonic): kept only while
+        # `watch_revocations` listens (`_listening`), each revocation heard dropping its row. Every
+        # revocation heard, and every change of listening, moves `_heard` on: a row read while one
+        # came is not kept (its revocation may have been heard before the row was).
+        self._kept: dict[str, tuple[TokenCheckRow, float]] = {}
+        self._listening = False
+        self._heard = 0
 
     # ---- operators --------------------------------------------------------------------------
+
+    async def watch_revocations(self) -> None:
+        """LISTEN for revoked tokens (a server's loop): while it listens, `authenticate` keeps the
+        token rows it reads for `TOKEN_KEPT_SECONDS`, and drops a row as soon as its revocation is
+        heard, on whichever server it was made. A lost LISTEN drops every row and keeps none until
+        it listens again; a row kept from before it listened is dropped once it does (a revocation
+        made meanwhile was never heard)."""
+        while True:
+            try:
+                sub = await self.store.listen(REVOCATIONS)
+            except StoreUnavailable as e:
+                log.warning("cannot listen for revoked tokens (%s); every request reads its token until it can", e)
+                await asyncio.sleep(1.0)
+                continue
+            self._forget(listening=True)
+            try:
+                while True:
+                    self._forget_one((await sub.get()).payload)
+            except StoreUnavailable:
+                log.warning("lost the LISTEN for revoked tokens; every request reads its token until it listens again")
+            finally:
+                self._forget(listening=False)
+                await sub.close()
+
+    def _forget(self, *, listening: bool) -> None:
+        self._kept.clear()
+        self._listening = listening
+        self._heard += 1
+
+    def _forget_one(self, token_id: str) -> None:
+        self._kept.pop(token_id, None)
+        self._heard += 1
+
+    async def _token(self, token_id: str) -> TokenCheckRow | None:
+        """The token's row: the one kept if it is fresh, else read (and kept, if no revocation was heard
+        while it was read)."""
+        now = time.monotonic()
+        kept = self._kept.get(token_id)
+        if kept is not None and now - kept[1] < TOKEN_KEPT_SECONDS:
+            return kept[0]
+        heard = self._heard
+        row = await self.store.get_token(token_id)
+        if row is not None and self._listening and heard == self._heard and row.revoked_at is None:
+            if len(self._kept) >= TOKENS_KEPT:
+                self._kept.clear()
+            self._kept[token_id] = (row, now)
+        return row
 
     async def authenticate(self, authorization: str | None, needed: Role) -> Principal:
         if not authorization:
@@ -74,7 +137,7 @@ class Security:
         if parsed is None:
             raise Unauthorized("the Authorization header must be 'Bearer pdm_…'")
         token_id, secret = parsed
-        row = await self.store.get_token(token_id)
+        row = await self._token(token_id)
         if row is None or not tokens.matches(secret, row.secret_hash):
             raise Unauthorized("the token is not valid")
         if row.revoked_at is not None:

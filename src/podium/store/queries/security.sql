@@ -9,8 +9,14 @@ SELECT * FROM api_tokens WHERE id = $1
 SELECT id, name, role, created_at, created_by, revoked_at FROM api_tokens ORDER BY created_at, id
 
 -- revoke_token --
-UPDATE api_tokens SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL
-RETURNING id, name, role, created_at, created_by, revoked_at
+-- Every server that keeps tokens it checked (`Security.watch_revocations`) is told, once this commits.
+WITH r AS (
+    UPDATE api_tokens SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL
+    RETURNING id, name, role, created_at, created_by, revoked_at
+), told AS (
+    SELECT pg_notify('podium_tokens', id) FROM r
+)
+SELECT r.* FROM r WHERE (SELECT count(*) FROM told) >= 0
 
 -- active_token_count --
 SELECT count(*) FROM api_tokens WHERE role = $1 AND revoked_at IS NULL
