@@ -21,7 +21,7 @@ from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.states import TaskState as S
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import running_on_n1
+from tests.integration.helpers import running_on, running_on_n1, scheduler
 
 K = pb.TaskEvent.Kind
 
@@ -67,8 +67,8 @@ async def stored(store: Store, tid: uuid.UUID) -> list[bytes]:
         return [bytes(r["data"]) for r in await c.fetch("SELECT data FROM log_chunks WHERE task_id = $1 ORDER BY seq", tid)]
 
 
-def end(tid: uuid.UUID, token: int) -> pb.TaskEvent:
-    return pb.TaskEvent(task_id=str(tid), fencing_token=token, kind=K.EXITED, exit_code=0)
+def end(tid: uuid.UUID, token: int, exit_code: int = 0) -> pb.TaskEvent:
+    return pb.TaskEvent(task_id=str(tid), fencing_token=token, kind=K.EXITED, exit_code=exit_code)
 
 
 async def test_the_output_before_an_end_is_committed_with_it_and_acknowledged(store: Store) -> None:
@@ -90,6 +90,7 @@ async def test_the_output_before_an_end_is_committed_with_it_and_acknowledged(st
 
 
 async def test_output_whose_end_could_not_be_committed_is_kept_and_stored_with_it_later(store: Store) -> None:
+    # (an end that failed: decided on its task's row as read, in a group commit)
     tid, tok = await running_on_n1(store, command=["echo", "hi"])
     made = store.transition_decided
     heard_before_retry: list[Any] = []
@@ -108,8 +109,8 @@ async def test_output_whose_end_could_not_be_committed_is_kept_and_stored_with_i
         store.transition_decided = down_once  # type: ignore[method-assign]
         try:
             logs.add("n1", (tid, tok, "stdout", 0, 0, b"hi\n"))
-            await batcher.enqueue(s, end(tid, tok))
-            await _eventually(lambda: state_is(store, tid, S.SUCCEEDED), "the end recorded on the retry")
+            await batcher.enqueue(s, end(tid, tok, exit_code=1))
+            await _eventually(lambda: state_is(store, tid, S.FAILED), "the end recorded on the retry")
         finally:
             del store.transition_decided
         heard = said(s)
@@ -140,8 +141,110 @@ async def test_a_group_commit_decides_an_end_without_waiting_for_its_nodes_lock(
             return decide(batch, rows)
 
         batcher._decide = deciding  # type: ignore[method-assign]
-        await batcher.enqueue(s, end(tid, tok))
+        await batcher.enqueue(s, end(tid, tok, exit_code=1))  # (decided on a read: a success is not, below)
         await asyncio.wait_for(decided.wait(), 30)  # while the node is still held
         assert (await store.get_task(tid)).state == S.RUNNING  # its end waits for the node
         await tx.rollback()
-        await _eventually(lambda: state_is(store, tid, S.SUCCEEDED), "the end recorded once the node is free")
+        await _eventually(lambda: state_is(store, tid, S.FAILED), "the end recorded once the node is free")
+
+
+# --- a lone success, made as its row is expected to be ----------------------------------------------
+
+
+async def test_a_lone_success_and_its_output_are_one_statement_committed_on_its_own(store: Store) -> None:
+    """A command run one at a time on an idle fleet: its `running` and its end (exit 0) come in one
+    batch, and are made on what the task's row is expected to hold, with the output sent before them,
+    in one statement — no read under locks, no BEGIN or COMMIT of their own. The task, its attempt,
+    its events and its output are what a group commit leaves."""
+    tid, tok = await running_on_n1(store, command=["echo", "hi"])
+    other, other_tok = await running_on_n1_again(store)
+    statements: list[str] = []
+    async with batching(store) as (batcher, logs, s):
+        q, store.q = store.q, _Noted(store.q, statements)
+        logs.add("n1", (tid, tok, "stdout", 0, 0, b"hi\n"))
+        await batcher.enqueue(s, end(tid, tok))
+        await _eventually(lambda: state_is(store, tid, S.SUCCEEDED), "the end recorded")
+        # (`get_task`: this test's own reads, waiting for the state)
+        assert [q for q in statements if q != "get_task"] == ["transition_tasks_storing_logs"], statements
+        store.q = q
+        # the control: the same end of another task, decided on a read (exit 1 is not made as expected)
+        logs.add("n1", (other, other_tok, "stdout", 0, 0, b"hi\n"))
+        await batcher.enqueue(s, end(other, other_tok, exit_code=1))
+        await _eventually(lambda: state_is(store, other, S.FAILED), "the other end recorded")
+        heard = said(s)
+    assert await stored(store, tid) == [b"hi\n"]
+    assert [m.task_id for m in heard if isinstance(m, pb.Ack)] == [str(tid), str(other)]
+    t = await store.get_task(tid)
+    assert (t.exit_code, t.node_id, t.lease_expires_at, t.finished_at is not None) == (0, None, None, True)
+    _t, attempts, events = await store.task_detail(tid)
+    assert [(a.state, a.exit_code, a.finished_at is not None) for a in attempts] == [("exited", 0, True)]
+    assert [(e.from_state, e.to_state, e.actor) for e in events][-1] == ("running", "succeeded", "node:n1")
+    async with store.pool.acquire() as c:
+        room = await c.fetchrow("SELECT res_slots, res_cpu_millis FROM nodes WHERE id = 'n1'")
+    assert tuple(room) == (0, 0), "both attempts' capacity freed"
+
+
+async def test_a_lone_success_whose_task_was_cancelled_meanwhile_is_decided_on_a_read(store: Store) -> None:
+    tid, tok = await running_on_n1(store)
+    async with batching(store) as (batcher, logs, s):
+        assert (await scheduler(store).cancel(tid, "op")).state == S.CANCELLING
+        logs.add("n1", (tid, tok, "stdout", 0, 0, b"late\n"))
+        made = store.end_expected
+        refused: list[Any] = []
+
+        async def noted(change: Any, **kw: Any) -> Any:
+            r = await made(change, **kw)
+            refused.append(r)
+            return r
+
+        store.end_expected = noted  # type: ignore[method-assign]
+        await batcher.enqueue(s, end(tid, tok))
+        await _eventually(lambda: state_is(store, tid, S.CANCELLED), "the cancel's end recorded")
+        heard = said(s)
+    assert refused == [None], "the row was not as expected: nothing made, decided on a read"
+    assert await stored(store, tid) == [b"late\n"], "stored by the statement its row refused"
+    assert [m.task_id for m in heard if isinstance(m, pb.Ack)] == [str(tid)]
+
+
+async def test_output_whose_lone_success_could_not_be_made_is_kept_and_stored_with_it_later(store: Store) -> None:
+    tid, tok = await running_on_n1(store, command=["echo", "hi"])
+    made = store.end_expected
+    tries = 0
+    heard_before_retry: list[Any] = []
+    async with batching(store) as (batcher, logs, s):
+
+        async def down_once(change: Any, **kwargs: Any) -> Any:
+            nonlocal tries
+            tries += 1
+            assert kwargs.get("logs") == [(tid, tok, "stdout", 0, 0, b"hi\n", "n1")], "the chunk rides with its end"
+            if tries == 1:
+                raise StoreUnavailable("connection reset (a test's)")
+            heard_before_retry.extend(said(s))
+            return await made(change, **kwargs)
+
+        store.end_expected = down_once  # type: ignore[method-assign]
+        logs.add("n1", (tid, tok, "stdout", 0, 0, b"hi\n"))
+        await batcher.enqueue(s, end(tid, tok))
+        await _eventually(lambda: state_is(store, tid, S.SUCCEEDED), "the end recorded on the retry")
+        heard = said(s)
+    assert tries == 2 and not heard_before_retry
+    assert await stored(store, tid) == [b"hi\n"]
+    assert [(m.stream, m.seq) for m in heard if isinstance(m, pb.LogAck)] == [("stdout", 0)]
+
+
+async def running_on_n1_again(store: Store) -> tuple[uuid.UUID, int]:
+    """Another task running on "n1" (made by `running_on_n1`)."""
+    [(tid, tok)] = await running_on(store, "n1", 1)
+    return tid, tok
+
+
+class _Noted(dict):  # type: ignore[type-arg]
+    """A store's statements, noting each one's name as it is taken to be run."""
+
+    def __init__(self, q: dict[str, str], order: list[str]) -> None:
+        super().__init__(q)
+        self.order = order
+
+    def __getitem__(self, name: str) -> str:
+        self.order.append(name)
+        return super().__getitem__(name)

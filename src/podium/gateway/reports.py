@@ -368,7 +368,56 @@ class ReportBatcher:
         # ended task has all of them, and the node, told its end is recorded, forgets no output that
         # is not. One commit, where a flush of its own before the batch was another.
         async with self.logs.taken() as chunks:
-            await self._apply_both(expected, rest, chunks)
+            if not expected and (end := self._expected_end(rest)) is not None:
+                await self._end_expected(rest, end, chunks)
+            else:
+                await self._apply_both(expected, rest, chunks)
+
+    def _expected_end(self, batch: list[tuple[Session, Pending]]) -> Change | None:
+        """The change of a batch that is one task's success and nothing else — its end with exit code
+        0 and no failure class, alone or after the lone `running` whose Assign this stream carried (a
+        command run one at a time on an idle fleet) — decided on what its row is expected to hold: the
+        task running on this node under this token (provisioning, passing through `running`, with its
+        `running`). None for anything else, and while the dispatcher would place a queued task on the
+        room it frees (`Refill`: a commit of its own). A row holding anything else (a cancel asked
+        meanwhile) refuses it, and the batch is decided on a read."""
+        if len({p.task_id for _s, p in batch}) != 1 or any(p.tries for _s, p in batch):
+            return None
+        s, end = batch[-1]
+        ev = end.event
+        if end.kind != protocol.EXITED or ev.exit_code != 0 or ev.failure_class or any(t is not s for t, _p in batch):
+            return None
+        if self.refiller is not None and self.refiller.refill() is not None:
+            return None
+        step = policy.on_node_event(TaskFacts(state=TaskState.RUNNING), end.kind, 0, self.timing,
+                                    failure_class=ev.failure_class, message=ev.message)  # fmt: skip
+        if step is None or step.to != TaskState.SUCCEEDED:
+            return None
+        c = change(end.task_id, TaskState.RUNNING, step, actor=f"node:{s.node_id}", fencing_token=ev.fencing_token,
+                   node_id=s.node_id, backend_ref=ev.backend_ref)  # fmt: skip
+        if len(batch) == 1:
+            return c
+        if len(batch) != 2:
+            return None
+        _s, first = batch[0]
+        if first.kind != protocol.RUNNING or first.event.fencing_token != ev.fencing_token or ev.fencing_token not in s.timeouts:
+            return None
+        return _through_running(self._expected_change(s, first), c)
+
+    async def _end_expected(self, batch: list[tuple[Session, Pending]], end: Change, logs: list[LogRow]) -> None:
+        """The batch's one end made as expected (`_expected_end`), with the output chunks received so
+        far, in one statement committed on its own (`Store.end_expected`); decided on a read in the
+        next batch if its row refused it."""
+        made = await self.store.end_expected(end, logs=logs)
+        metrics.NODE_REPORT_BATCH.observe(len(batch))
+        if made is None:
+            for _s, p in batch:
+                p.tries += 1  # not as expected: read next time
+            self._put_back(batch)
+            return
+        metrics.NODE_REPORTS.labels("applied").inc(len(batch))
+        for s, p in batch:
+            self._answer(s, p, applied=True)
 
     async def _apply_both(
         self, expected: list[tuple[Session, Pending]], rest: list[tuple[Session, Pending]], logs: list[LogRow]

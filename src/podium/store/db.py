@@ -804,6 +804,28 @@ class Store:
             for c in changes
         ]
 
+    async def end_expected(
+        self, change: Change, *, logs: Sequence[tuple[uuid.UUID, int, str, int, int, bytes, str]] = ()
+    ) -> Transition | None:
+        """One end decided on what its task's row is expected to hold (its task running, or
+        provisioning and passing through `running` in the same change, on this node under this token),
+        made without reading it, with `logs` (as `insert_logs` takes them) stored in the same statement,
+        committed on its own: one round trip where `transition_decided` takes four. The change checks
+        what it was decided on itself; a row holding anything else refuses it (None), and the caller
+        decides it again on a read. The chunks are stored either way (before the end, never after it).
+
+        One end alone: its task's row is locked before its node's, as every single change takes them,
+        so it needs no lock of its node taken first (`transition_expected` makes no end: a batch of them
+        in one statement could take their nodes in another order than a group commit does). It wakes
+        the dispatchers for the room it frees, as any change does: the caller places nothing on it."""
+        if change.end_attempt is None:
+            raise ValueError("end_expected makes an end; other changes go through transition_expected")
+        cols = [list(c) for c in zip(*logs, strict=True)] if logs else [[] for _ in range(7)]
+        async with self._conn() as conn:
+            got = await conn.fetch(self.q["transition_tasks_storing_logs"], [change.row()], True, *cols)
+        made = [r for r in got if r["id"] is not None]
+        return Transition(made[0]["id"], made[0]["fencing_token"]) if made else None
+
     @_retried
     async def transition_decided(
         self,

@@ -2,7 +2,9 @@
 
 A block whose name starts with `_` is a fragment, not a query: another block includes it as
 `{{name: rows}}` (without the underscore), the fragment's `__ROWS__` replaced by `rows`. So a piece
-of SQL several statements need (freeing an attempt's capacity) is written once.
+of SQL several statements need (freeing an attempt's capacity) is written once. A fragment whose
+statements number their parameters differently takes them as `{{name: $1 | $2}}`: `__1__`, `__2__`, …
+replaced by each in turn.
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ def queries() -> dict[str, str]:
         name, rows = m.group(1), m.group(2).strip()
         if name not in fragments:
             raise RuntimeError(f"a query includes {{{{{name}: …}}}}, but no fragment -- _{name} -- is defined")
-        return fragments[name].replace("__ROWS__", rows)
+        body = fragments[name].replace("__ROWS__", rows)
+        for i, arg in enumerate(rows.split("|"), start=1):
+            body = body.replace(f"__{i}__", arg.strip())
+        return body
 
-    return {name: _INCLUDE.sub(include, body) for name, body in blocks.items() if not name.startswith("_")}
+    def expanded(body: str) -> str:
+        # a fragment may include another (the transitions' CTEs free capacity with `freed`)
+        for _ in range(8):
+            body, n = _INCLUDE.subn(include, body)
+            if not n:
+                return body
+        raise RuntimeError("fragments include each other more than 8 deep")
+
+    return {name: expanded(body) for name, body in blocks.items() if not name.startswith("_")}

@@ -66,7 +66,33 @@ SELECT * FROM tasks WHERE idempotency_key = $1
 -- task passes through on its way from `from_state` to an end, in the same row: a short command's
 -- `running` and its end, read in one batch. It is recorded as its own event (with no reason of its
 -- own), before the end's, and as the attempt's start; the task row is written once.
-WITH d AS (
+WITH {{transitions: $1 | $2}}
+-- one row per change made, and nothing read per row from `ended` or `moved`: a CTE has no index, so
+-- a lookup in them for each row would be a scan for each row: quadratic in the batch, 20 ms of the
+-- database's CPU at 930 rows (tests/integration/test_plans.py keeps it out)
+SELECT t.id, t.fencing_token,
+       (SELECT n FROM woke_node) AS woke_node, (SELECT n FROM woke_dispatch) AS woke_dispatch,
+       EXISTS (SELECT 1 FROM operation_freed) AS operations_freed
+FROM t
+
+-- transition_tasks_storing_logs --
+-- transition_tasks ($1, $2) with output chunks stored in the same statement ($3–$9, as insert_logs
+-- takes them), committed on its own: a node's end decided on what its task's row is expected to hold
+-- (`Store.end_expected`), made with the output sent before it in one round trip, where a group commit
+-- takes four (BEGIN, the read, the write, COMMIT). The followers' NOTIFY is read on an outer join's
+-- preserved side, so it is sent when the change is refused too (the chunks are stored all the same):
+-- one row of nulls then.
+WITH {{stored_logs: $3::uuid[], $4::bigint[], $5::text[], $6::bigint[], $7::bigint[], $8::bytea[], $9::text[]}},
+{{transitions: $1 | $2}}
+SELECT t.id, t.fencing_token,
+       (SELECT n FROM woke_node) AS woke_node, (SELECT n FROM woke_dispatch) AS woke_dispatch,
+       EXISTS (SELECT 1 FROM operation_freed) AS operations_freed
+FROM (SELECT count(*) FROM told) z LEFT JOIN t ON true
+
+-- _transitions --
+-- transition_tasks' changes (the rows __1__, waking the dispatcher if __2__), as CTEs: `t` the tasks
+-- changed; `woke_node`, `woke_dispatch` and `operation_freed` for the including statement to read.
+d AS (
     -- the rows come as one JSON array of arrays (`Change.row`'s order), not as eighteen arrays: an
     -- array parameter costs the client a type check and an encoding call per element, four times the
     -- CPU of the whole JSON for a batch of reports
@@ -75,7 +101,7 @@ WITH d AS (
            v->>9 AS attempt_state, (v->>10)::boolean AS stop, v->>11 AS actor, v->>12 AS failure_class,
            v->>13 AS detail, v->>14 AS backend_ref, (v->>15)::boolean AS release, (v->>16)::bigint AS revision,
            v->>17 AS via
-    FROM jsonb_array_elements($1::jsonb) AS r(v)
+    FROM jsonb_array_elements(__1__::jsonb) AS r(v)
 ), t AS (
     UPDATE tasks SET
         state = d.to_state,
@@ -170,23 +196,16 @@ WITH d AS (
     FROM (SELECT DISTINCT node_id FROM (SELECT node_id, stop FROM ended UNION ALL SELECT node_id, stop FROM moved) y
           WHERE y.stop) x
 ), woke_dispatch AS (
-    -- ($2 false: the caller places on the room its changes free in the same transaction, and wakes
+    -- (__2__ false: the caller places on the room its changes free in the same transaction, and wakes
     -- the dispatcher itself if that leaves anything for a pass, `Store.transition_decided`, told of a
     -- freed operation by `operations_freed`). Said 'room' when the changes only freed capacity (or an
     -- operation): a dispatcher that knows its queue drained need not look (`Dispatcher._pass`); ''
     -- when they queued a task, which any dispatcher must look for
     SELECT count(pg_notify('podium_dispatch', z.why)) AS n
     FROM (SELECT CASE WHEN EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued') THEN '' ELSE 'room' END AS why
-          WHERE $2::boolean AND (EXISTS (SELECT 1 FROM freed) OR EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued')
+          WHERE __2__::boolean AND (EXISTS (SELECT 1 FROM freed) OR EXISTS (SELECT 1 FROM t WHERE t.to_state = 'queued')
                                  OR EXISTS (SELECT 1 FROM operation_freed))) z
 )
--- one row per change made, and nothing read per row from `ended` or `moved`: a CTE has no index, so
--- a lookup in them for each row would be a scan for each row: quadratic in the batch, 20 ms of the
--- database's CPU at 930 rows (tests/integration/test_plans.py keeps it out)
-SELECT t.id, t.fencing_token,
-       (SELECT n FROM woke_node) AS woke_node, (SELECT n FROM woke_dispatch) AS woke_dispatch,
-       EXISTS (SELECT 1 FROM operation_freed) AS operations_freed
-FROM t
 
 -- lock_tasks --
 -- A batch of changes takes its task rows in id order (and then its nodes', with lock_nodes), the
