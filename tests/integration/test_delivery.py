@@ -543,15 +543,15 @@ async def test_an_acceptance_that_comes_while_its_pass_is_open_is_committed_with
         sched.deliver_through(gw.sessions.keys, gw.outbox.push, gw)
         s = gw.sessions["n1"] = Session("n1", 1)
         answered = _answering(gw, s)
-        accept = gw.accept_in_pass
+        accept = gw.accepted_before_write
         before_commit: list[int] = []  # messages on the node's stream when the pass took its acceptance
 
-        async def taken(rows: list[Any]) -> Any:
-            changes = await accept(rows)
+        async def taken(tokens: list[int]) -> Any:
+            changes = await accept(tokens)
             before_commit.append(s.out.qsize())
             return changes
 
-        gw.accept_in_pass = taken  # type: ignore[method-assign]
+        gw.accepted_before_write = taken  # type: ignore[method-assign]
         tid = await submit(store)
         out = await sched.dispatch_once()
         assert [t for t, _n, _tok in out.assigned] == [tid] and out.accepted == answered
@@ -569,13 +569,14 @@ async def test_an_acceptance_taken_by_a_pass_that_then_fails_is_refused_as_stale
     await add_node(store, "n1")
     async with dispatching_before_commit(store) as (gw, sched, s):
         answered = _answering(gw, s)
-        made = store._accept_in_pass
+        made = store._claim_and_assign
 
-        async def made_then_failed(conn: Any, changes: Any) -> list[int]:
-            assert await made(conn, changes) == answered, "made in the pass, not committed yet"
+        async def made_then_failed(*args: Any, **kwargs: Any) -> Any:
+            out = await made(*args, **kwargs)
+            assert out.accepted == answered, "made in the pass (by its write), not committed yet"
             raise RuntimeError("the pass failed after making the acceptance")
 
-        store._accept_in_pass = made_then_failed  # type: ignore[method-assign]
+        store._claim_and_assign = made_then_failed  # type: ignore[method-assign]
         tid = await submit(store)
         with pytest.raises(RuntimeError, match="after making the acceptance"):
             await sched.dispatch_once()

@@ -74,7 +74,7 @@ async def handed(sched: Scheduler, *specs: TaskSpec) -> tuple[DispatchOutcome, l
 def answering_before_the_write(gw: Gateway, s: Session) -> list[int]:
     """The node answers each Assign sent early with its `provisioning`, which the gateway has read
     by the time the pass asks for the acceptances that came back before its write: the tokens."""
-    ask = gw.accepted_now
+    ask = gw.accepted_before_write
     answered: list[int] = []
 
     async def asked(tokens: list[int]) -> Any:
@@ -84,29 +84,18 @@ def answering_before_the_write(gw: Gateway, s: Session) -> list[int]:
                 await gw.reports.enqueue(s, _provisioning(row.assign.task_id, row.assign.fencing_token))
         return await ask(tokens)
 
-    gw.accepted_now = asked  # type: ignore[method-assign]
+    gw.accepted_before_write = asked  # type: ignore[method-assign]
     return answered
 
 
-def answering_after_the_write(gw: Gateway, s: Session) -> list[int]:
-    """The node's `provisioning` comes only once the pass waits for it after its write, as it did
-    before the write made acceptances (and still does when the answer is late): the tokens."""
+def answering_late(gw: Gateway) -> None:
+    """The node's `provisioning` comes only after the pass's wait before its write (a slow node): the
+    pass commits the assignment alone, and a group commit makes the acceptance after it."""
 
-    async def nothing_yet(tokens: list[int]) -> Any:
+    async def nothing_in_time(tokens: list[int]) -> Any:
         return []
 
-    wait = gw.accept_in_pass
-    answered: list[int] = []
-
-    async def waited(rows: list[Any]) -> Any:
-        for r in rows:
-            answered.append(r.fencing_token)
-            await gw.reports.enqueue(s, _provisioning(str(r.task_id), r.fencing_token))
-        return await wait(rows)
-
-    gw.accepted_now = nothing_yet  # type: ignore[method-assign]
-    gw.accept_in_pass = waited  # type: ignore[method-assign]
-    return answered
+    gw.accepted_before_write = nothing_in_time  # type: ignore[method-assign]
 
 
 async def _rows(store: Store, tid: uuid.UUID) -> tuple[Any, Any, list[Any]]:
@@ -171,16 +160,25 @@ async def test_a_handed_task_is_assigned_before_its_pass_stores_it_and_an_accept
 
 async def test_an_acceptance_made_by_the_write_leaves_what_one_made_after_it_leaves(store: Store) -> None:
     await add_node(store, "n1", slots=4)
-    async with wired(store) as (gw, sched, s, order, _offered):
+    async with wired(store) as (gw, sched, s, order, offered):
         answering_before_the_write(gw, s)
         _out, [early] = await handed(sched, TaskSpec(command=["true"]))
         assert "transition_tasks" not in _pass(order)
-        order.clear()
-        answered = answering_after_the_write(gw, s)
+        answering_late(gw)
         out, [late] = await handed(sched, TaskSpec(command=["true"]))
-        assert out.accepted == answered and "transition_tasks" in _pass(order), "the control: made by a statement of its own"
-        assert (await store.get_task(early.id)).state == (await store.get_task(late.id)).state == "provisioning"
+        assert out.accepted == [] and (await store.get_task(late.id)).state == "assigned"
+        # the control: the acceptance made by a group commit of its own after the pass's
+        [assign] = [r for r in offered if r.task_id == late.id]
+        await gw.reports.enqueue(s, _provisioning(str(late.id), assign.fencing_token))
+        await _eventually(lambda: _state_is(store, late.id, "provisioning"), what="the late acceptance")
+        tx = await _event_transactions(store, late.id)
+        assert tx["assigned"] != tx["provisioning"]
+        assert (await store.get_task(early.id)).state == "provisioning"
         assert await _rows(store, early.id) == await _rows(store, late.id)
+
+
+async def _state_is(store: Store, tid: uuid.UUID, state: str) -> bool:
+    return (await store.get_task(tid)).state == state
 
 
 async def test_a_handed_task_is_placed_as_foreseen_beside_a_queued_one_that_came_first_when_both_fit(store: Store) -> None:

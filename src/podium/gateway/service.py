@@ -118,10 +118,11 @@ class Gateway(pb_grpc.AgentGatewayServicer):
             self._sent_early[r.fencing_token] = s
         return True
 
-    async def accepted_now(self, tokens: list[int]) -> list[Change]:
-        """The acceptances the nodes of these Assigns (sent by `push_before_commit`) have returned
-        already, not waited for: the dispatch's write makes them with the assignments."""
-        return await self.reports.acceptances_in_pass(tokens, 0.0)
+    async def accepted_before_write(self, tokens: list[int]) -> list[Change]:
+        """The acceptances the nodes of these Assigns (sent by `push_before_commit` before their
+        dispatch's write) return, waited for as `accept_in_pass` waits: the write makes them with the
+        assignments, where a statement of their own after it was one round trip more."""
+        return await self.reports.acceptances_in_pass(tokens, ACCEPT_IN_PASS_WAIT)
 
     async def accept_in_pass(self, rows: list[OutboxRow]) -> list[Change]:
         """The acceptances the nodes of these Assigns (sent by `push_before_commit`) return while

@@ -367,15 +367,15 @@ class RefillPass(_Placing):
 
 class EarlyPush(Protocol):
     """Where a dispatch's Assigns may go before its COMMIT (`Gateway`): `push_before_commit` sends them
-    if it may (True); `accepted_now` answers at once with the acceptances their nodes have sent
-    already, for the dispatch's write to make, and `accept_in_pass` with those that come meanwhile,
-    waited for, for the dispatch to make in its own transaction; and `commit_known` is told, with the
-    same rows, once the commit is known, which of their attempts it committed and which acceptances it
-    made."""
+    if it may (True); `accepted_before_write` answers with the acceptances their nodes send back
+    while the dispatch waits before its write, for the write to make, and `accept_in_pass` with those
+    of Assigns sent after the write, for the dispatch to make in its own transaction; and
+    `commit_known` is told, with the same rows, once the commit is known, which of their attempts it
+    committed and which acceptances it made."""
 
     def push_before_commit(self, rows: list[OutboxRow]) -> bool: ...
 
-    async def accepted_now(self, tokens: list[int]) -> Sequence[Change]: ...
+    async def accepted_before_write(self, tokens: list[int]) -> Sequence[Change]: ...
 
     async def accept_in_pass(self, rows: list[OutboxRow]) -> Sequence[Change]: ...
 
@@ -616,7 +616,7 @@ class Dispatcher:
                 submissions=[sub for sub, _fut in handed],
                 before_commit=before_commit if early is not None else None,
                 accept_before_commit=early.accept_in_pass if early is not None else None,
-                accepted_before_write=early.accepted_now if early is not None else None,
+                accepted_before_write=early.accepted_before_write if early is not None else None,
                 # new tasks placed before the transaction only when the last look found the queue
                 # drained (tasks stored since by busy handlers may still come first: their placements
                 # stand only if everything claimed fits beside them, `DispatchPass.place`)

@@ -248,8 +248,9 @@ class DispatchOutcome:
     # own transaction: recorded once it commits, never before
     accepted: list[int] = field(default_factory=list)
     # acceptances taken before the write (`accepted_before_write`) that it did not make itself: made
-    # with the others after it
+    # with the others after it; and the tokens whose acceptance was waited for before it (not again)
     acceptances: list[Change] = field(default_factory=list)
+    asked: set[int] = field(default_factory=set)
 
     @property
     def untaken(self) -> list[OutboxRow]:
@@ -1144,10 +1145,13 @@ class Store:
         while the pass stores, claims and writes. The claim decides as always: a task it places
         elsewhere (a queued one came first) gets a new token, and its first Assign is a stale attempt's.
 
-        `accepted_before_write` answers, without waiting, the acceptances the nodes of Assigns sent
-        already have returned (their fencing tokens given): the write makes them with the assignments
-        (`assign_tasks`), one round trip fewer than a statement of their own after it. Those that come
-        later are waited for after the write (`accept_before_commit`), as before.
+        `accepted_before_write` answers with the acceptances the nodes of Assigns sent before the write
+        return (their fencing tokens given), waited for before it: the write makes them with the
+        assignments (`assign_tasks`), one round trip fewer than a statement of their own after it (a
+        node's round trip was on its way meanwhile; the wait is the one the pass made after its write
+        before). One that does not come in that wait is decided by a group commit once this one is
+        known. `accept_before_commit` waits, after the write, for the acceptances of Assigns offered
+        only then.
 
         A pass is six round trips when it places anything (the window, horizon, operations and
         changed nodes in one read, BEGIN, a claim per chunk, the nodes' locks (and tokens), the
@@ -1231,8 +1235,7 @@ class Store:
                     # what was not offered before the write (`_claim_and_assign`) or the transaction, now
                     self._offer(out, out.delivered, before_commit)
                     out.pushed = not out.untaken
-                    made = set(out.accepted)
-                    sent = [r for r in out.delivered if r.fencing_token in out.taken and r.fencing_token not in made]
+                    sent = [r for r in out.delivered if r.fencing_token in out.taken and r.fencing_token not in out.asked]
                     if sent and accept_before_commit is not None:
                         accepting = [*out.acceptances, *await accept_before_commit(sent)]
                         out.accepted += await self._accept_in_pass(conn, accepting)
@@ -1394,6 +1397,7 @@ class Store:
             # the acceptances already back for Assigns sent before this write, made by it
             folded: list[tuple[int, str, str, float | None]] = []
             if accepted_before_write is not None and (sent := sorted(out.taken & set(tokens.values()))):
+                out.asked.update(sent)
                 for c in await accepted_before_write(sent):
                     if self._foldable(c):
                         assert c.fencing_token is not None and c.node_id is not None
