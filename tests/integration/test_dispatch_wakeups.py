@@ -411,3 +411,50 @@ async def test_a_woken_loop_says_what_woke_each_pass(store: Store) -> None:
         await asyncio.gather(task, return_exceptions=True)
         await woken.close()
     assert seen == [None, frozenset({"a"}), None, None]
+
+
+async def test_a_woken_loop_says_whether_anything_was_heard_before_a_poke(store: Store) -> None:
+    """`WokenLoop.quiet`: true for a pass a poke woke with no notification heard since the last pass
+    (the dispatcher places a handed submission before its transaction only then: a task another
+    handler stored meanwhile says so); false when one was heard first, or woke the pass itself."""
+    seen: list[bool] = []
+    gate = [asyncio.Event() for _ in range(6)]
+    hold = [asyncio.Event() for _ in range(6)]
+
+    async def run_pass() -> float | None:
+        seen.append(woken.quiet)
+        n = len(seen) - 1
+        gate[n].set()
+        if n in (2, 3):
+            await hold[n].wait()  # busy, while what follows comes
+        return None
+
+    async def notify(payload: str) -> None:
+        async with store.pool.acquire() as c:
+            await c.execute("SELECT pg_notify('podium_test_quiet', $1)", payload)
+
+    woken = WokenLoop("test", store, "podium_test_quiet", 3600.0, run_pass)
+    task = asyncio.create_task(woken.run())
+    try:
+        await asyncio.wait_for(gate[0].wait(), WAIT)  # the first pass: no wake-up at all
+        await until(lambda: woken.idle, "waiting for a wake-up")
+        woken.poke()  # nothing heard: quiet
+        await asyncio.wait_for(gate[1].wait(), WAIT)
+        await until(lambda: woken.idle, "waiting for a wake-up")
+        await notify("")  # heard, and woke the pass itself (2), which is held busy
+        await asyncio.wait_for(gate[2].wait(), WAIT)
+        woken.poke()  # a poke alone while it is busy: the next pass (3) is quiet
+        hold[2].set()
+        await asyncio.wait_for(gate[3].wait(), WAIT)
+        sub = woken._sub
+        assert sub is not None
+        await notify("")  # heard while pass 3 is busy, then a poke: pass 4 is not quiet
+        await until(sub.pending, "the notification heard")
+        woken.poke()
+        hold[3].set()
+        await asyncio.wait_for(gate[4].wait(), WAIT)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await woken.close()
+    assert seen == [False, True, False, True, False]

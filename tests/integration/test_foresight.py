@@ -58,12 +58,13 @@ async def wired(store: Store) -> AsyncIterator[tuple[Gateway, Scheduler, Session
         yield gw, sched, s, order, offered_rows
 
 
-async def handed(sched: Scheduler, *specs: TaskSpec) -> tuple[DispatchOutcome, list[TaskRow]]:
+async def handed(sched: Scheduler, *specs: TaskSpec, quiet: bool = True) -> tuple[DispatchOutcome, list[TaskRow]]:
     """The submission of `specs` handed to the dispatcher as its idle loop takes one, and the pass it
     wakes: what that pass did, and the tasks as it stored them."""
     sub = sched.store.submissions([(spec, None) for spec in specs], actor="op")
     sched.dispatcher.loop.idle = True  # as its loop is between passes, waiting for a wake-up
     fut = sched.dispatcher.take_submission(sub)
+    sched.dispatcher.loop.quiet = quiet  # woken by that poke, with nothing heard since the last pass or not
     assert fut is not None
     out = await sched.dispatcher.dispatch_once()
     stored = await fut
@@ -227,6 +228,13 @@ async def test_no_task_is_foreseen_by_a_dispatcher_that_does_not_know_the_queue_
     async with wired(store) as (_gw, sched, _s, order, _offered):
         sched.dispatcher._queued_maybe = True  # as after a pass that left a task queued
         out, [row] = await handed(sched, TaskSpec(command=["true"]))
+        assert [t for t, _n, _tok in out.assigned] == [row.id]
+        steps = [o for o in _pass(order) if o in ("offer", "insert_tasks", "lock_nodes_drawing_tokens")]
+        assert steps == ["insert_tasks", "lock_nodes_drawing_tokens", "offer"], order
+        # nor by one that heard something since its last look (a handler's task stored meanwhile)
+        order.clear()
+        sched.dispatcher._queued_maybe = False
+        out, [row] = await handed(sched, TaskSpec(command=["true"]), quiet=False)
         assert [t for t, _n, _tok in out.assigned] == [row.id]
         steps = [o for o in _pass(order) if o in ("offer", "insert_tasks", "lock_nodes_drawing_tokens")]
         assert steps == ["insert_tasks", "lock_nodes_drawing_tokens", "offer"], order

@@ -618,9 +618,11 @@ class Dispatcher:
                 accept_before_commit=early.accept_in_pass if early is not None else None,
                 accepted_before_write=early.accepted_before_write if early is not None else None,
                 # new tasks placed before the transaction only when the last look found the queue
-                # drained (tasks stored since by busy handlers may still come first: their placements
-                # stand only if everything claimed fits beside them, `DispatchPass.place`)
-                foresee=not self._queued_maybe,
+                # drained and nothing was heard since (a handler that stored tasks while this pass's
+                # dispatcher was busy said so): one stored and not yet heard of may still come first,
+                # and the foreseen placements stand then only if everything claimed fits beside them
+                # (`DispatchPass.place`)
+                foresee=not self._queued_maybe and self.loop.quiet,
             )
             committed = {token for _t, _n, token in outcome.assigned}
             accepted = outcome.accepted

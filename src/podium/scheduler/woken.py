@@ -39,6 +39,9 @@ class WokenLoop:
         # (None: the tick, a poke, or the last pass asked for this one). A pass may find in them that
         # it has nothing to look for (`Dispatcher._pass`).
         self.heard: frozenset[str] | None = None
+        # The pass under way was woken by a poke or the tick with no notification heard since the last
+        # pass: nothing committed meanwhile said anything (as far as this listener has heard yet).
+        self.quiet = False
 
     async def _listen(self) -> None:
         if self._sub is None or self._sub.closed:
@@ -72,7 +75,9 @@ class WokenLoop:
         await asyncio.sleep(wait)
         if self._sub is not None:
             # heard before the pass starts, so committed before it reads: that pass sees them
-            self._heard(self._sub.drain())
+            drained = self._sub.drain()
+            self.quiet = self.quiet and not drained
+            self._heard(drained)
 
     def _heard(self, notifications: list[Notification]) -> None:
         if self.heard is not None and notifications:
@@ -87,6 +92,7 @@ class WokenLoop:
             return
         if self._poked.is_set():
             self._poked.clear()
+            self.quiet = not sub.pending()
             return
         heard = asyncio.ensure_future(sub.get())
         poked = asyncio.ensure_future(self._poked.wait())
@@ -107,7 +113,9 @@ class WokenLoop:
             raise failed
         if heard.done() and not heard.cancelled() and not poke:
             self.heard = frozenset({heard.result().payload})
-        self._heard(sub.drain())
+        drained = sub.drain()
+        self.quiet = not (heard.done() and not heard.cancelled()) and not drained
+        self._heard(drained)
 
     async def run(self) -> None:
         while True:
@@ -119,6 +127,7 @@ class WokenLoop:
                 log.warning("%s: %s; retrying", self.name, e)
                 await self._drop()
             self.heard = None
+            self.quiet = False
             if again is not None:
                 if again > 0:
                     await asyncio.sleep(again)

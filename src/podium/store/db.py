@@ -418,6 +418,10 @@ class Subscription:
             if n is not None:
                 return n
 
+    def pending(self) -> bool:
+        """Whether a notification heard waits to be taken."""
+        return any(n is not None for n in self._queue._queue)  # type: ignore[attr-defined]
+
     def drain(self) -> list[Notification]:
         """Every notification already heard, without waiting."""
         out: list[Notification] = []
