@@ -22,6 +22,19 @@ WAIT = 30.0  # seconds a condition may take on a slow, busy machine
 _T = TypeVar("_T")
 
 
+class Statements(dict[str, str]):
+    """A store's statements (`store.q = Statements(store.q, order)`), noting in `order` each one's
+    name as it is taken to be run."""
+
+    def __init__(self, q: dict[str, str], order: list[str]) -> None:
+        super().__init__(q)
+        self.order = order
+
+    def __getitem__(self, name: str) -> str:
+        self.order.append(name)
+        return super().__getitem__(name)
+
+
 async def until(cond: Callable[[], bool], what: str) -> None:
     """Wait for `cond` (checked every 10 ms), or fail saying what did not happen within WAIT."""
     deadline = asyncio.get_running_loop().time() + WAIT

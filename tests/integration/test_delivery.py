@@ -25,7 +25,7 @@ from podium.security.secretbox import SecretBox
 from podium.security.service import Security
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, filled_under_a_pass, looping, place, scheduler, submit
+from tests.integration.helpers import Statements, add_node, filled_under_a_pass, looping, place, scheduler, submit
 
 
 async def _eventually(cond: Any, timeout: float = 30.0, what: str = "condition") -> Any:
@@ -603,23 +603,11 @@ async def test_a_pass_does_not_wait_for_acceptances_while_other_reports_wait_for
 # --- Assigns sent before their pass's write ---------------------------------------------------------
 
 
-class _Statements(dict[str, str]):
-    """A store's statements, noting in `order` each one's name as it is taken to be run."""
-
-    def __init__(self, q: dict[str, str], order: list[str]) -> None:
-        super().__init__(q)
-        self.order = order
-
-    def __getitem__(self, name: str) -> str:
-        self.order.append(name)
-        return super().__getitem__(name)
-
-
 async def test_a_small_passs_assigns_go_out_before_its_write_with_the_tokens_the_write_then_gives(store: Store) -> None:
     await add_node(store, "n1")
     order: list[str] = []
     async with dispatching_before_commit(store) as (gw, sched, s):
-        store.q = _Statements(store.q, order)
+        store.q = Statements(store.q, order)
         offer = gw.push_before_commit
 
         def offered(rows: list[Any]) -> bool:

@@ -26,8 +26,8 @@ from podium.store.db import DispatchOutcome
 from podium.store.queries import queries
 from podium.store.rows import TaskRow
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import add_node, looping, submit
-from tests.integration.test_delivery import _event_transactions, _eventually, _provisioning, _Statements, sent
+from tests.integration.helpers import Statements, add_node, looping, submit
+from tests.integration.test_delivery import _event_transactions, _eventually, _provisioning, sent
 
 
 @contextlib.asynccontextmanager
@@ -54,7 +54,7 @@ async def wired(store: Store) -> AsyncIterator[tuple[Gateway, Scheduler, Session
     async with looping(gw.reports.loop()):
         out = await sched.dispatch_once()
         assert out.claimed == 0 and not sched.dispatcher._queued_maybe, "the first look finds the queue drained"
-        store.q = _Statements(store.q, order)
+        store.q = Statements(store.q, order)
         yield gw, sched, s, order, offered_rows
 
 

@@ -14,7 +14,7 @@ import pytest
 from podium.store import Store
 from podium.store.migrate import migration_files
 from tests.conftest import PgServer, _with_db
-from tests.integration.helpers import add_node, place, submit
+from tests.integration.helpers import Statements, add_node, place, submit
 
 
 async def placed(store: Store) -> tuple[uuid.UUID, int]:
@@ -195,7 +195,7 @@ async def test_a_group_commit_stores_its_output_with_the_read_of_its_tasks_and_t
     chunks are other tasks'), and the read is what it was."""
     tid, token = await placed(store)
     order: list[str] = []
-    store.q = _Noted(store.q, order)
+    store.q = Statements(store.q, order)
     async with Heard(store) as heard:
         decided: list[dict] = []
         await store.transition_decided([tid], lambda rows: decided.append(dict(rows)) or [],
@@ -210,14 +210,3 @@ async def test_a_group_commit_stores_its_output_with_the_read_of_its_tasks_and_t
     assert [bytes(r.data) for r in await store.read_logs(tid, limit=10)] == [b"a\n", b"b\n"]
     assert "insert_logs" not in order and order.count("lock_task_facts_storing_logs") == 2
 
-
-class _Noted(dict):  # type: ignore[type-arg]
-    """A store's statements, noting each one's name as it is taken to be run."""
-
-    def __init__(self, q: dict[str, str], order: list[str]) -> None:
-        super().__init__(q)
-        self.order = order
-
-    def __getitem__(self, name: str) -> str:
-        self.order.append(name)
-        return super().__getitem__(name)

@@ -13,6 +13,8 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import pytest
+
 from podium.errors import StoreUnavailable
 from podium.gateway.liveness import LogFlusher
 from podium.gateway.reports import ReportBatcher
@@ -21,7 +23,7 @@ from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.states import TaskState as S
 from podium.store import Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import running_on, running_on_n1, scheduler
+from tests.integration.helpers import Statements, running_on, running_on_n1, scheduler
 
 K = pb.TaskEvent.Kind
 
@@ -89,10 +91,14 @@ async def test_the_output_before_an_end_is_committed_with_it_and_acknowledged(st
     assert {(m.stream, m.seq) for m in heard if isinstance(m, pb.LogAck)} == {("stdout", 0), ("stderr", 1)}
 
 
-async def test_output_whose_end_could_not_be_committed_is_kept_and_stored_with_it_later(store: Store) -> None:
-    # (an end that failed: decided on its task's row as read, in a group commit)
+@pytest.mark.parametrize(("exit_code", "made_by"), [(1, "transition_decided"), (0, "end_expected")], ids=["read", "expected"])
+async def test_output_whose_end_could_not_be_committed_is_kept_and_stored_with_it_later(
+    store: Store, exit_code: int, made_by: str
+) -> None:
+    # an end that failed is decided on its task's row as read, in a group commit; a lone success is
+    # made as its row is expected to be, in one statement (`end_expected`): the output rides with either
     tid, tok = await running_on_n1(store, command=["echo", "hi"])
-    made = store.transition_decided
+    made = getattr(store, made_by)
     heard_before_retry: list[Any] = []
     tries = 0
     async with batching(store) as (batcher, logs, s):
@@ -106,13 +112,14 @@ async def test_output_whose_end_could_not_be_committed_is_kept_and_stored_with_i
             heard_before_retry.extend(said(s))
             return await made(*args, **kwargs)
 
-        store.transition_decided = down_once  # type: ignore[method-assign]
+        setattr(store, made_by, down_once)
         try:
             logs.add("n1", (tid, tok, "stdout", 0, 0, b"hi\n"))
-            await batcher.enqueue(s, end(tid, tok, exit_code=1))
-            await _eventually(lambda: state_is(store, tid, S.FAILED), "the end recorded on the retry")
+            await batcher.enqueue(s, end(tid, tok, exit_code=exit_code))
+            ended = S.FAILED if exit_code else S.SUCCEEDED
+            await _eventually(lambda: state_is(store, tid, ended), "the end recorded on the retry")
         finally:
-            del store.transition_decided
+            delattr(store, made_by)
         heard = said(s)
     # not stored the first time, so not acknowledged then (the node keeps it, to send again)
     assert tries == 2 and not heard_before_retry
@@ -160,7 +167,7 @@ async def test_a_lone_success_and_its_output_are_one_statement_committed_on_its_
     other, other_tok = await running_on_n1_again(store)
     statements: list[str] = []
     async with batching(store) as (batcher, logs, s):
-        q, store.q = store.q, _Noted(store.q, statements)
+        q, store.q = store.q, Statements(store.q, statements)
         logs.add("n1", (tid, tok, "stdout", 0, 0, b"hi\n"))
         await batcher.enqueue(s, end(tid, tok))
         await _eventually(lambda: state_is(store, tid, S.SUCCEEDED), "the end recorded")
@@ -206,45 +213,8 @@ async def test_a_lone_success_whose_task_was_cancelled_meanwhile_is_decided_on_a
     assert [m.task_id for m in heard if isinstance(m, pb.Ack)] == [str(tid)]
 
 
-async def test_output_whose_lone_success_could_not_be_made_is_kept_and_stored_with_it_later(store: Store) -> None:
-    tid, tok = await running_on_n1(store, command=["echo", "hi"])
-    made = store.end_expected
-    tries = 0
-    heard_before_retry: list[Any] = []
-    async with batching(store) as (batcher, logs, s):
-
-        async def down_once(change: Any, **kwargs: Any) -> Any:
-            nonlocal tries
-            tries += 1
-            assert kwargs.get("logs") == [(tid, tok, "stdout", 0, 0, b"hi\n", "n1")], "the chunk rides with its end"
-            if tries == 1:
-                raise StoreUnavailable("connection reset (a test's)")
-            heard_before_retry.extend(said(s))
-            return await made(change, **kwargs)
-
-        store.end_expected = down_once  # type: ignore[method-assign]
-        logs.add("n1", (tid, tok, "stdout", 0, 0, b"hi\n"))
-        await batcher.enqueue(s, end(tid, tok))
-        await _eventually(lambda: state_is(store, tid, S.SUCCEEDED), "the end recorded on the retry")
-        heard = said(s)
-    assert tries == 2 and not heard_before_retry
-    assert await stored(store, tid) == [b"hi\n"]
-    assert [(m.stream, m.seq) for m in heard if isinstance(m, pb.LogAck)] == [("stdout", 0)]
-
-
 async def running_on_n1_again(store: Store) -> tuple[uuid.UUID, int]:
     """Another task running on "n1" (made by `running_on_n1`)."""
     [(tid, tok)] = await running_on(store, "n1", 1)
     return tid, tok
 
-
-class _Noted(dict):  # type: ignore[type-arg]
-    """A store's statements, noting each one's name as it is taken to be run."""
-
-    def __init__(self, q: dict[str, str], order: list[str]) -> None:
-        super().__init__(q)
-        self.order = order
-
-    def __getitem__(self, name: str) -> str:
-        self.order.append(name)
-        return super().__getitem__(name)
