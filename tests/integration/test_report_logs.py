@@ -21,9 +21,9 @@ from podium.gateway.reports import ReportBatcher
 from podium.gateway.sessions import Session, Sessions
 from podium.proto.podium.v1 import agent_pb2 as pb
 from podium.states import TaskState as S
-from podium.store import Store
+from podium.store import Change, Store
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import Statements, running_on, running_on_n1, scheduler
+from tests.integration.helpers import WAIT, Statements, add_node, place, running_on, running_on_n1, scheduler, submit
 
 K = pb.TaskEvent.Kind
 
@@ -218,3 +218,40 @@ async def running_on_n1_again(store: Store) -> tuple[uuid.UUID, int]:
     [(tid, tok)] = await running_on(store, "n1", 1)
     return tid, tok
 
+
+
+async def test_a_group_commit_storing_output_never_waits_for_a_pass_that_claimed_that_outputs_task(store: Store) -> None:
+    """The output a group commit stores with its read may be another task's: one queued again after
+    its node was lost, whose node sends its unacknowledged chunks once more. A pass may hold that task,
+    claimed, while it waits for a node the group commit holds. The chunk's foreign key check (a share
+    of its task's key, taken at the statement's end, after the commit's tasks and nodes are locked)
+    does not wait for the claim (`FOR NO KEY UPDATE`): claimed `FOR UPDATE`, the two waited for each
+    other until PostgreSQL's deadlock_timeout broke one."""
+    await add_node(store, "nB", slots=1)
+    [(x, _xtok)] = await running_on(store, "nB", 1)
+    await add_node(store, "nA", slots=1)
+    q = await submit(store)
+    [(placed, node, qtok)] = (await place(store)).assigned
+    assert (placed, node) == (q, "nA")
+    lost = Change(q, S.ASSIGNED, S.QUEUED, actor="test", reason="node lost", fencing_token=qtok, node_id="nA",
+                  end_attempt="lost")  # fmt: skip
+    assert await store.transition(lost) is not None
+    async with store.pool.acquire() as d, store.pool.acquire() as g:
+        pass_tx = d.transaction()
+        await pass_tx.start()
+        assert q in [r["id"] for r in await d.fetch(store.q["claim_queued"], 10, [], [], [])]
+        commit_tx = g.transaction()
+        await commit_tx.start()
+        rows = await asyncio.wait_for(
+            g.fetch(store.q["lock_task_facts_storing_logs"], [x], [x], [q], [qtok], ["stdout"], [0], [0], [b"x"], ["nA"]),
+            WAIT,  # not the claim's whole length: it is held until this test lets it go
+        )
+        assert [r["id"] for r in rows] == [x]
+        # the pass then waits for the node the group commit holds, and has it once that commits
+        locking = asyncio.ensure_future(d.execute(store.q["lock_nodes"], ["nB"]))
+        await asyncio.sleep(0.1)
+        assert not locking.done()
+        await commit_tx.commit()
+        await asyncio.wait_for(locking, WAIT)
+        await pass_tx.rollback()
+    assert await stored(store, q) == [b"x"]

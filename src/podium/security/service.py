@@ -114,6 +114,11 @@ class Security:
         self._kept.pop(token_id, None)
         self._heard += 1
 
+    def revoked(self, token_id: str) -> None:
+        """This server revoked the token (its commit is known): drop its kept row now, not once the
+        NOTIFY comes back."""
+        self._forget_one(token_id)
+
     async def _token(self, token_id: str) -> TokenCheckRow | None:
         """The token's row: the one kept if it is fresh, else read (and kept, if no revocation was heard
         while it was read)."""

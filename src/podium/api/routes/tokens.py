@@ -34,10 +34,11 @@ async def list_tokens(_who: Admin, store: StoreDep) -> list[TokenOut]:
 
 
 @router.delete("/v1/tokens/{token_id}", response_model=TokenOut, responses=ERRORS)
-async def revoke_token(token_id: str, who: Admin, store: StoreDep) -> TokenOut:
+async def revoke_token(token_id: str, who: Admin, store: StoreDep, security: SecurityDep) -> TokenOut:
     """Revoke a token; it stops working at once."""
     if len(token_id) > 64:
         raise InvalidRequest("a token id is at most 64 characters")
     row = await store.revoke_token(token_id)
+    security.revoked(row.id)  # here at once; every other server once it hears the NOTIFY
     await audit(store, who, "token.revoke", row.id)
     return TokenOut(**_token_fields(row))

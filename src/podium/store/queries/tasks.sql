@@ -251,7 +251,10 @@ WITH c AS MATERIALIZED (
       AND NOT (t.id = ANY($2::uuid[]))
     ORDER BY t.priority DESC, t.created_at, t.id
     LIMIT $1
-    FOR UPDATE OF t SKIP LOCKED
+    -- NO KEY: a claimed task's key never changes, and a stronger lock would hold a foreign key's
+    -- check (a log chunk of the task inserted by a group commit that holds nodes this pass then
+    -- locks: a deadlock, PostgreSQL's deadlock_timeout later)
+    FOR NO KEY UPDATE OF t SKIP LOCKED
 ), lk AS (
     SELECT n.id FROM nodes n
     WHERE n.id = ANY($3::text[]) AND (SELECT count(*) FROM c) < $1
@@ -493,8 +496,10 @@ SELECT t.* FROM t WHERE (SELECT count(*) FROM n) >= 0
 -- lock_task_facts ($1, $2) with the output the group commit's nodes sent before their reports
 -- stored first ($3–$9, as insert_logs takes them): in the same statement, the round trip of a
 -- statement of their own saved on every group commit with output (a short task's last chunk comes
--- with its end). The chunks' inserts lock nothing `t` or `n` waits for (a foreign key's check takes a
--- share of the task's key, which its own lock, taken by the same transaction, does not wait for).
+-- with its end). The chunks' foreign key checks (a share of each chunk's task's key, taken at the
+-- statement's end, after `t` and `n` hold their locks) may be other tasks': no transaction holds a
+-- task's key against them (claims take `FOR NO KEY UPDATE`; a task is deleted only long after it
+-- ended, `prune_finished`), so they wait for nothing while this statement holds its nodes.
 -- `told` is read by an outer join's preserved side, so it runs even when no task of $1 is found (the
 -- chunks may be other tasks'): one row of nulls then, which the caller leaves out.
 WITH {{stored_logs: $3::uuid[], $4::bigint[], $5::text[], $6::bigint[], $7::bigint[], $8::bytea[], $9::text[]}},
