@@ -1398,7 +1398,7 @@ class Store:
                                   for p, t in early), key=lambda o: (o.node_id, o.fencing_token))  # fmt: skip
                 assert before_write is not None
                 self._offer(out, assigns, before_write)
-            # the acceptances already back for Assigns sent before this write, made by it
+            # the acceptances of the Assigns sent before this write, waited for before it and made by it
             folded: list[tuple[int, str, str, float | None]] = []
             if accepted_before_write is not None and (sent := sorted(out.taken & set(tokens.values()))):
                 out.asked.update(sent)
