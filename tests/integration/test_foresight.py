@@ -26,7 +26,7 @@ from podium.store.db import DispatchOutcome
 from podium.store.queries import queries
 from podium.store.rows import TaskRow
 from podium.timing import DEFAULT_TIMING
-from tests.integration.helpers import Statements, add_node, looping, submit
+from tests.integration.helpers import Statements, add_node, looping, submit, until
 from tests.integration.test_delivery import _event_transactions, _eventually, _provisioning, sent
 
 
@@ -51,16 +51,28 @@ async def wired(store: Store) -> AsyncIterator[tuple[Gateway, Scheduler, Session
         return offer(rows)
 
     gw.push_before_commit = offered  # type: ignore[method-assign]
-    async with looping(gw.reports.loop()):
-        out = await sched.dispatch_once()
-        assert out.claimed == 0 and not sched.dispatcher._queued_maybe, "the first look finds the queue drained"
-        store.q = Statements(store.q, order)
-        yield gw, sched, s, order, offered_rows
+    # the dispatcher's LISTEN, as its running loop holds it (what it has heard and not taken yet is
+    # what `still_foreseen` asks about)
+    sched.dispatcher.loop._sub = await store.listen("podium_dispatch")
+    try:
+        async with looping(gw.reports.loop()):
+            out = await sched.dispatch_once()
+            assert out.claimed == 0 and not sched.dispatcher._queued_maybe, "the first look finds the queue drained"
+            store.q = Statements(store.q, order)
+            yield gw, sched, s, order, offered_rows
+    finally:
+        await sched.dispatcher.loop.close()
 
 
-async def handed(sched: Scheduler, *specs: TaskSpec, quiet: bool = True) -> tuple[DispatchOutcome, list[TaskRow]]:
+async def handed(
+    sched: Scheduler, *specs: TaskSpec, quiet: bool = True, heard: bool = False
+) -> tuple[DispatchOutcome, list[TaskRow]]:
     """The submission of `specs` handed to the dispatcher as its idle loop takes one, and the pass it
-    wakes: what that pass did, and the tasks as it stored them."""
+    wakes: what that pass did, and the tasks as it stored them. Unless `heard`, the notifications its
+    LISTEN has heard are taken first, as its loop's last pass would have."""
+    if not heard:
+        assert sched.dispatcher.loop._sub is not None
+        sched.dispatcher.loop._sub.drain()
     sub = sched.store.submissions([(spec, None) for spec in specs], actor="op")
     sched.dispatcher.loop.idle = True  # as its loop is between passes, waiting for a wake-up
     fut = sched.dispatcher.take_submission(sub)
@@ -97,6 +109,14 @@ def answering_late(gw: Gateway) -> None:
         return []
 
     gw.accepted_before_write = nothing_in_time  # type: ignore[method-assign]
+
+
+async def stored_unheard(store: Store) -> uuid.UUID:
+    """A task stored by a handler whose commit's NOTIFY the dispatcher has not heard yet (no NOTIFY)."""
+    sub = store.submissions([(TaskSpec(command=["true"]), None)], actor="op")
+    async with store.pool.acquire() as c:
+        await c.fetch(queries()["insert_tasks"], sub.rows, reasons.WAITING, "op", False)
+    return sub.ids[0]
 
 
 async def _rows(store: Store, tid: uuid.UUID) -> tuple[Any, Any, list[Any]]:
@@ -185,7 +205,7 @@ async def _state_is(store: Store, tid: uuid.UUID, state: str) -> bool:
 async def test_a_handed_task_is_placed_as_foreseen_beside_a_queued_one_that_came_first_when_both_fit(store: Store) -> None:
     await add_node(store, "n1", slots=4)
     async with wired(store) as (_gw, sched, s, order, offered):
-        older = await submit(store)  # stored while the dispatcher looked elsewhere: it has not heard of it
+        older = await stored_unheard(store)  # stored while the dispatcher looked elsewhere: not heard of yet
         out, [row] = await handed(sched, TaskSpec(command=["true"]))
         [assign] = [r for r in offered if r.task_id == row.id]
         assert _pass(order).index("offer") < _pass(order).index("insert_tasks")
@@ -203,7 +223,7 @@ async def test_a_queued_task_that_came_first_gets_the_room_a_handed_one_was_fore
 ) -> None:
     await add_node(store, "n1", slots=1)
     async with wired(store) as (gw, sched, s, _order, offered):
-        older = await submit(store)
+        older = await stored_unheard(store)
         out, [row] = await handed(sched, TaskSpec(command=["true"]))
         [early] = [r for r in offered if r.task_id == row.id]
         # claim order decides: the task that was queued first has the one slot
@@ -236,6 +256,16 @@ async def test_no_task_is_foreseen_by_a_dispatcher_that_does_not_know_the_queue_
         sched.dispatcher._queued_maybe = False
         out, [row] = await handed(sched, TaskSpec(command=["true"]), quiet=False)
         assert [t for t, _n, _tok in out.assigned] == [row.id]
+        steps = [o for o in _pass(order) if o in ("offer", "insert_tasks", "lock_nodes_drawing_tokens")]
+        assert steps == ["insert_tasks", "lock_nodes_drawing_tokens", "offer"], order
+        # nor when the notification is heard only once its pass has begun: it is asked again then
+        order.clear()
+        other = await submit(store)  # a handler's task, its NOTIFY on its way
+        sub = sched.dispatcher.loop._sub
+        assert sub is not None
+        await until(sub.pending, "the handler's NOTIFY heard")
+        out, rows = await handed(sched, TaskSpec(command=["true"]), heard=True)
+        assert sorted(t for t, _n, _tok in out.assigned) == sorted([other, rows[0].id])
         steps = [o for o in _pass(order) if o in ("offer", "insert_tasks", "lock_nodes_drawing_tokens")]
         assert steps == ["insert_tasks", "lock_nodes_drawing_tokens", "offer"], order
 

@@ -623,6 +623,9 @@ class Dispatcher:
                 # and the foreseen placements stand then only if everything claimed fits beside them
                 # (`DispatchPass.place`)
                 foresee=not self._queued_maybe and self.loop.quiet,
+                # and asked again once the pass's first read is back: a notification heard meanwhile
+                # (a handler's tasks stored while this pass began) ends the belief
+                still_foreseen=self.loop.nothing_pending,
             )
             committed = {token for _t, _n, token in outcome.assigned}
             accepted = outcome.accepted

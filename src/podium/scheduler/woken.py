@@ -52,6 +52,10 @@ class WokenLoop:
         if sub is not None:
             await sub.close()
 
+    def nothing_pending(self) -> bool:
+        """Whether this loop listens and has heard no notification it has not taken yet."""
+        return self._sub is not None and not self._sub.closed and not self._sub.pending()
+
     def poke(self) -> None:
         """A pass now (or, if one is running, right after it), as a notification would bring; not held
         by `settle` (the caller waits for that pass)."""

@@ -1110,6 +1110,7 @@ class Store:
         accept_before_commit: Callable[[list[OutboxRow]], Awaitable[Sequence[Change]]] | None = None,
         foresee: bool = False,
         accepted_before_write: Callable[[list[int]], Awaitable[Sequence[Change]]] | None = None,
+        still_foreseen: Callable[[], bool] | None = None,
     ) -> DispatchOutcome:
         """Claim up to `claim_limit` queued tasks, as many as `plan` wants, let it place them, and make
         the result durable in one transaction: reservations, attempts, fencing tokens, leases, events,
@@ -1148,6 +1149,8 @@ class Store:
         to `before_commit` then (`_present`): they travel to their nodes, and the acceptances come back,
         while the pass stores, claims and writes. The claim decides as always: a task it places
         elsewhere (a queued one came first) gets a new token, and its first Assign is a stale attempt's.
+        `still_foreseen`, asked once the first read is back, may say the belief no longer holds (a
+        notification heard meanwhile): nothing is placed before the transaction then.
 
         `accepted_before_write` answers with the acceptances the nodes of Assigns sent before the write
         return (their fencing tokens given), waited for before it: the write makes them with the
@@ -1169,7 +1172,7 @@ class Store:
             return await self._dispatch(
                 out, claim_limit, assign_window, accept_seconds, lease_seconds, plan, actor, nodes_since,
                 reconcile_seconds, sorted(deliver_here), submissions, before_commit, accept_before_commit, foresee,
-                accepted_before_write,
+                accepted_before_write, still_foreseen,
             )
         except asyncpg.UniqueViolationError as e:
             # Nothing of this batch was written; the next tick places it again on fresh state. Either
@@ -1199,6 +1202,7 @@ class Store:
         accept_before_commit: Callable[[list[OutboxRow]], Awaitable[Sequence[Change]]] | None,
         foresee: bool,
         accepted_before_write: Callable[[list[int]], Awaitable[Sequence[Change]]] | None,
+        still_foreseen: Callable[[], bool] | None,
     ) -> DispatchOutcome:
         async with self._conn() as conn:
             # new tasks this pass may place before its transaction, their Assigns sent while it runs
@@ -1224,7 +1228,7 @@ class Store:
                 # woken by a commit of ends whose room that commit placed on already, `Refill`)
                 return out
             presented: dict[uuid.UUID, tuple[str, int]] = {}
-            if foreseen:
+            if foreseen and (still_foreseen is None or still_foreseen()):
                 assert before_commit is not None
                 presented = self._present(out, plan, foreseen, facts["tokens"], deliver_here, before_commit)
             async with conn.transaction():
