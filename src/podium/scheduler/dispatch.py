@@ -617,15 +617,12 @@ class Dispatcher:
                 before_commit=before_commit if early is not None else None,
                 accept_before_commit=early.accept_in_pass if early is not None else None,
                 accepted_before_write=early.accepted_before_write if early is not None else None,
-                # new tasks placed before the transaction only when the last look found the queue
+                # new tasks placed before the transaction only while the last look found the queue
                 # drained and nothing was heard since (a handler that stored tasks while this pass's
-                # dispatcher was busy said so): one stored and not yet heard of may still come first,
-                # and the foreseen placements stand then only if everything claimed fits beside them
-                # (`DispatchPass.place`)
-                foresee=not self._queued_maybe and self.loop.quiet,
-                # and asked again once the pass's first read is back: a notification heard meanwhile
-                # (a handler's tasks stored while this pass began) ends the belief
-                still_foreseen=self.loop.nothing_pending,
+                # dispatcher was busy said so; asked again once the pass's first read is back): one
+                # stored and not yet heard of may still come first, and the foreseen placements stand
+                # then only if everything claimed fits beside them (`DispatchPass.place`)
+                foresee=self._nothing_else_queued,
             )
             committed = {token for _t, _n, token in outcome.assigned}
             accepted = outcome.accepted
@@ -654,6 +651,11 @@ class Dispatcher:
         # task the claim passed over because another transaction held it: neither is a drained queue
         self._found_queue(plan.drained and not (outcome.unplaced or outcome.lost_races or outcome.held), since=looks)
         return outcome
+
+    def _nothing_else_queued(self) -> bool:
+        """Whether this dispatcher believes no task but the ones handed to it is queued: its last look
+        found the queue drained, and no notification was heard since (`Store.dispatch`'s `foresee`)."""
+        return not self._queued_maybe and self.loop.quiet and self.loop.nothing_pending()
 
     def _found_queue(self, drained: bool, *, since: int) -> None:
         """What a pass or a refill found of the queue, told once it has committed: `drained` if its

@@ -1108,9 +1108,8 @@ class Store:
         submissions: Sequence[Submissions] = (),
         before_commit: Callable[[list[OutboxRow]], bool] | None = None,
         accept_before_commit: Callable[[list[OutboxRow]], Awaitable[Sequence[Change]]] | None = None,
-        foresee: bool = False,
         accepted_before_write: Callable[[list[int]], Awaitable[Sequence[Change]]] | None = None,
-        still_foreseen: Callable[[], bool] | None = None,
+        foresee: Callable[[], bool] | None = None,
     ) -> DispatchOutcome:
         """Claim up to `claim_limit` queued tasks, as many as `plan` wants, let it place them, and make
         the result durable in one transaction: reservations, attempts, fencing tokens, leases, events,
@@ -1144,13 +1143,12 @@ class Store:
         node, told nothing more, has its report of it refused as a stale attempt's once the commit is
         known, as for a pass that fails.
 
-        With `foresee` (the caller believes nothing else is queued), a few `submissions` are placed
+        While `foresee` says so (the caller believes nothing else is queued: asked before the first
+        read, which then draws their tokens, and again once it is back), a few `submissions` are placed
         before the transaction, on the nodes as the first read found them, and their Assigns offered
         to `before_commit` then (`_present`): they travel to their nodes, and the acceptances come back,
         while the pass stores, claims and writes. The claim decides as always: a task it places
         elsewhere (a queued one came first) gets a new token, and its first Assign is a stale attempt's.
-        `still_foreseen`, asked once the first read is back, may say the belief no longer holds (a
-        notification heard meanwhile): nothing is placed before the transaction then.
 
         `accepted_before_write` answers with the acceptances the nodes of Assigns sent before the write
         return (their fencing tokens given), waited for before it: the write makes them with the
@@ -1171,8 +1169,8 @@ class Store:
         try:
             return await self._dispatch(
                 out, claim_limit, assign_window, accept_seconds, lease_seconds, plan, actor, nodes_since,
-                reconcile_seconds, sorted(deliver_here), submissions, before_commit, accept_before_commit, foresee,
-                accepted_before_write, still_foreseen,
+                reconcile_seconds, sorted(deliver_here), submissions, before_commit, accept_before_commit,
+                accepted_before_write, foresee,
             )
         except asyncpg.UniqueViolationError as e:
             # Nothing of this batch was written; the next tick places it again on fresh state. Either
@@ -1200,13 +1198,13 @@ class Store:
         submissions: Sequence[Submissions],
         before_commit: Callable[[list[OutboxRow]], bool] | None,
         accept_before_commit: Callable[[list[OutboxRow]], Awaitable[Sequence[Change]]] | None,
-        foresee: bool,
         accepted_before_write: Callable[[list[int]], Awaitable[Sequence[Change]]] | None,
-        still_foreseen: Callable[[], bool] | None,
+        foresee: Callable[[], bool] | None,
     ) -> DispatchOutcome:
         async with self._conn() as conn:
             # new tasks this pass may place before its transaction, their Assigns sent while it runs
-            foreseen = self._foreseeable(submissions) if foresee and before_commit is not None and deliver_here else []
+            foreseen = (self._foreseeable(submissions)
+                        if foresee is not None and before_commit is not None and deliver_here and foresee() else [])  # fmt: skip
             # the horizon (whatever commits after it is read again next time), the window, the
             # operations and the nodes changed since the last horizon, and a fencing token for each
             # foreseen task: one read, outside the transaction (it locks nothing, and its one snapshot
@@ -1228,7 +1226,7 @@ class Store:
                 # woken by a commit of ends whose room that commit placed on already, `Refill`)
                 return out
             presented: dict[uuid.UUID, tuple[str, int]] = {}
-            if foreseen and (still_foreseen is None or still_foreseen()):
+            if foreseen and foresee is not None and foresee():  # still believed, the read back
                 assert before_commit is not None
                 presented = self._present(out, plan, foreseen, facts["tokens"], deliver_here, before_commit)
             async with conn.transaction():

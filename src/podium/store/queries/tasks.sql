@@ -344,8 +344,8 @@ WITH r AS (
         -- clock_timestamp(), not now(): a transaction that was slow between its claim and this write
         -- must not hand out an assignment with its accept window already spent
         accept_deadline = CASE WHEN d.accepted_by IS NULL THEN clock_timestamp() + make_interval(secs => $2) END,
-        lease_expires_at = CASE WHEN d.accepted_by IS NULL THEN clock_timestamp() + make_interval(secs => $3)
-                                WHEN d.accepted_lease IS NULL THEN clock_timestamp() + make_interval(secs => $3)
+        lease_expires_at = CASE WHEN d.accepted_by IS NULL OR d.accepted_lease IS NULL
+                                THEN clock_timestamp() + make_interval(secs => $3)
                                 WHEN d.accepted_lease < 0 THEN NULL
                                 ELSE now() + make_interval(secs => d.accepted_lease) END,
         exit_code = NULL, started_at = NULL, cancel_requested_at = NULL, cancel_reason = NULL,
