@@ -446,11 +446,23 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def _jsonb_encode(value: Any) -> str:
-    return orjson.dumps(value, default=_json_default).decode()
+# jsonb's binary format: a version byte, then the JSON text. Binary, not text: asyncpg decodes a
+# composite value (a whole `tasks` row, as insert_tasks_claiming returns a submission's) only if
+# every column's codec is binary, and the text is the same either way.
+_JSONB_VERSION = b"\x01"
 
 
-def _jsonb_decode(text: str) -> Any:
+def _jsonb_encode(value: Any) -> bytes:
+    return _JSONB_VERSION + orjson.dumps(value, default=_json_default)
+
+
+def _jsonb_decode(data: bytes) -> Any:
+    if data[:1] != _JSONB_VERSION:
+        raise ValueError(f"jsonb in a binary format this client does not know (version byte {bytes(data[:1])!r})")
+    return _json_decode(data[1:])
+
+
+def _json_decode(text: str | bytes) -> Any:
     # orjson: the store decodes a spec per task row it reads, and the standard library's decoder was
     # the largest single cost of a submission (profiled). What it refuses (a lone surrogate escape,
     # a number past a double) goes to the standard library. It would read an integer past 64 bits
@@ -463,7 +475,7 @@ def _jsonb_decode(text: str) -> Any:
 
 
 def _init_connection(conn: asyncpg.Connection) -> Any:
-    return conn.set_type_codec("jsonb", encoder=_jsonb_encode, decoder=_jsonb_decode, schema="pg_catalog")
+    return conn.set_type_codec("jsonb", encoder=_jsonb_encode, decoder=_jsonb_decode, schema="pg_catalog", format="binary")
 
 
 class Store:
@@ -664,7 +676,7 @@ class Store:
                 if tid in inserted:
                     out.append((inserted[tid], True))
                 else:
-                    out.append((self._same_submission(existing.get(key), key, _jsonb_decode(spec_text)), False))
+                    out.append((self._same_submission(existing.get(key), key, _json_decode(spec_text)), False))
         return out
 
     # ---- named specs ----------------------------------------------------------------------------
