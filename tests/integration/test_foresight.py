@@ -156,10 +156,11 @@ async def test_a_handed_task_is_assigned_before_its_pass_stores_it_and_an_accept
     async with wired(store) as (gw, sched, s, order, offered):
         answered = answering_before_the_write(gw, s)
         out, [row] = await handed(sched, TaskSpec(command=["true"]))
-        steps = [o for o in _pass(order) if o in ("offer", "insert_tasks", "claim_queued", "lock_nodes",
+        steps = [o for o in _pass(order) if o in ("offer", "insert_tasks", "claim_queued", "insert_tasks_claiming", "lock_nodes",
                                                    "lock_nodes_drawing_tokens", "assign_tasks", "transition_tasks")]  # fmt: skip
-        # the Assign before the task is even stored; the node's lock with the claim; the acceptance in the write
-        assert steps == ["offer", "insert_tasks", "claim_queued", "assign_tasks"], order
+        # the Assign before the task is even stored; the task stored, claimed and its node locked by one
+        # statement; the acceptance in the write
+        assert steps == ["offer", "insert_tasks_claiming", "assign_tasks"], order
         [assign] = [r for r in offered if r.task_id == row.id]
         assert answered == [assign.fencing_token] and out.accepted == answered
         assert out.assigned == [(row.id, "n1", assign.fencing_token)]
@@ -208,7 +209,7 @@ async def test_a_handed_task_is_placed_as_foreseen_beside_a_queued_one_that_came
         older = await stored_unheard(store)  # stored while the dispatcher looked elsewhere: not heard of yet
         out, [row] = await handed(sched, TaskSpec(command=["true"]))
         [assign] = [r for r in offered if r.task_id == row.id]
-        assert _pass(order).index("offer") < _pass(order).index("insert_tasks")
+        assert _pass(order).index("offer") < _pass(order).index("insert_tasks_claiming")
         assert sorted(t for t, _n, _tok in out.assigned) == sorted([older, row.id])
         t = await store.get_task(row.id)
         assert (t.state, t.fencing_token) == ("assigned", assign.fencing_token), "the foreseen placement stood"
@@ -249,15 +250,15 @@ async def test_no_task_is_foreseen_by_a_dispatcher_that_does_not_know_the_queue_
         sched.dispatcher._queued_maybe = True  # as after a pass that left a task queued
         out, [row] = await handed(sched, TaskSpec(command=["true"]))
         assert [t for t, _n, _tok in out.assigned] == [row.id]
-        steps = [o for o in _pass(order) if o in ("offer", "insert_tasks", "lock_nodes_drawing_tokens")]
-        assert steps == ["insert_tasks", "lock_nodes_drawing_tokens", "offer"], order
+        steps = [o for o in _pass(order) if o in ("offer", "insert_tasks_claiming", "lock_nodes_drawing_tokens")]
+        assert steps == ["insert_tasks_claiming", "lock_nodes_drawing_tokens", "offer"], order
         # nor by one that heard something since its last look (a handler's task stored meanwhile)
         order.clear()
         sched.dispatcher._queued_maybe = False
         out, [row] = await handed(sched, TaskSpec(command=["true"]), quiet=False)
         assert [t for t, _n, _tok in out.assigned] == [row.id]
-        steps = [o for o in _pass(order) if o in ("offer", "insert_tasks", "lock_nodes_drawing_tokens")]
-        assert steps == ["insert_tasks", "lock_nodes_drawing_tokens", "offer"], order
+        steps = [o for o in _pass(order) if o in ("offer", "insert_tasks_claiming", "lock_nodes_drawing_tokens")]
+        assert steps == ["insert_tasks_claiming", "lock_nodes_drawing_tokens", "offer"], order
         # nor when the notification is heard only once its pass has begun: it is asked again then
         order.clear()
         other = await submit(store)  # a handler's task, its NOTIFY on its way
@@ -266,18 +267,20 @@ async def test_no_task_is_foreseen_by_a_dispatcher_that_does_not_know_the_queue_
         await until(sub.pending, "the handler's NOTIFY heard")
         out, rows = await handed(sched, TaskSpec(command=["true"]), heard=True)
         assert sorted(t for t, _n, _tok in out.assigned) == sorted([other, rows[0].id])
-        steps = [o for o in _pass(order) if o in ("offer", "insert_tasks", "lock_nodes_drawing_tokens")]
-        assert steps == ["insert_tasks", "lock_nodes_drawing_tokens", "offer"], order
+        steps = [o for o in _pass(order) if o in ("offer", "insert_tasks_claiming", "lock_nodes_drawing_tokens")]
+        assert steps == ["insert_tasks_claiming", "lock_nodes_drawing_tokens", "offer"], order
 
 
 async def test_a_claim_takes_the_foreseen_nodes_locks_only_when_it_finds_nothing_but_the_new_tasks(store: Store) -> None:
     await add_node(store, "n1")
     await add_node(store, "n2")
-    assert await _claimed_locking(store, others=False) == (1, 1)
-    assert await _claimed_locking(store, others=True) == (0, 0), "another queued task: a pass that places it locks all at once"
+    for storing in (False, True):  # the claim of tasks stored before it, and the claim that stores them
+        assert await _claimed_locking(store, others=False, storing=storing) == (1, 1)
+        assert await _claimed_locking(store, others=True, storing=storing) == (0, 0), (
+            "another queued task: a pass that places it locks all at once")
 
 
-async def _claimed_locking(store: Store, *, others: bool) -> tuple[int, int]:
+async def _claimed_locking(store: Store, *, others: bool, storing: bool) -> tuple[int, int]:
     """A pass's claim (in a transaction rolled back after) given a new task foreseen on n1, with
     another task queued or not: how many nodes it says it locked, and how many of n1's locks another
     session finds held."""
@@ -289,8 +292,11 @@ async def _claimed_locking(store: Store, *, others: bool) -> tuple[int, int]:
             if others:
                 await c.fetch(queries()["insert_tasks"], store.submissions([(TaskSpec(command=["true"]), None)], actor="op").rows,
                               "waiting", "op", False)  # fmt: skip
-            await c.fetch(queries()["insert_tasks"], new.rows, "waiting", "op", False)
-            rows = await c.fetch(queries()["claim_queued"], 64, [], ["n1"], list(new.ids))
+            if storing:
+                rows = await c.fetch(queries()["insert_tasks_claiming"], 64, [], ["n1"], list(new.ids), new.rows, "waiting", "op")
+            else:
+                await c.fetch(queries()["insert_tasks"], new.rows, "waiting", "op", False)
+                rows = await c.fetch(queries()["claim_queued"], 64, [], ["n1"], list(new.ids))
             assert new.ids[0] in [r["id"] for r in rows]
             free = await other.fetch("SELECT id FROM nodes WHERE id IN ('n1', 'n2') FOR NO KEY UPDATE SKIP LOCKED")
             return int(rows[0]["locked"]), 2 - len(free)

@@ -27,6 +27,8 @@ QUERIES: dict[str, tuple[type[R.Row], set[str]]] = {
     "read_logs": (R.LogChunkRow, set()),
     # the marker of a short claim that passed over a held task, and the claim order's keys
     "claim_queued": (R.ClaimedTaskRow, {"held", "priority", "created_at", "locked"}),
+    # and the submission stored by the same statement: each of its tasks a row of its own (`stored`)
+    "insert_tasks_claiming": (R.ClaimedTaskRow, {"held", "priority", "created_at", "locked", "stored", "notified"}),
     "claim_unresolved": (R.UnresolvedRow, set()),
     "tasks_on_node": (R.NodeTaskRow, set()),
     "lock_task_facts": (R.TaskFactsRow, set()),

@@ -1173,9 +1173,10 @@ class Store:
         A pass is six round trips when it places anything (the window, horizon, operations and
         changed nodes in one read, BEGIN, a claim per chunk, the nodes' locks (and tokens), the
         reservations and assignments in one write, COMMIT), seven with acceptances made after its
-        write. A task handed to an idle fleet's dispatcher is six with its insert: the first read
-        (its token), BEGIN, the insert, the claim (the node's lock), the write (its acceptance), COMMIT
-        — its node's round trip under way meanwhile. On an idle fleet a task's way to its node is
+        write. A task handed to an idle fleet's dispatcher is five with its insert: the first read
+        (its token), BEGIN, the insert with the claim (`insert_tasks_claiming`: one submission is
+        stored by the first claim's statement; and the node's lock), the write (its acceptance),
+        COMMIT — its node's round trip under way meanwhile. On an idle fleet a task's way to its node is
         mostly these."""
         out = DispatchOutcome()
         try:
@@ -1244,11 +1245,14 @@ class Store:
             async with conn.transaction():
                 # new tasks first, visible to the claim below: stored and placed in one commit. No
                 # dispatcher is woken for them: this pass claims them, and one that cannot place
-                # them now is woken again by what frees room, as for any queued task
-                out.submitted = [await self._insert_tasks(conn, sub, wake_dispatch=False) for sub in submissions]
+                # them now is woken again by what frees room, as for any queued task. One submission
+                # is stored by the pass's first claim, in its statement (`_claim_and_assign`)
+                storing = submissions[0] if len(submissions) == 1 else None
+                if storing is None:
+                    out.submitted = [await self._insert_tasks(conn, sub, wake_dispatch=False) for sub in submissions]
                 await self._claim_and_assign(conn, out, accept_seconds, lease_seconds, plan, actor, reconcile_seconds,
                                              deliver_here, before_commit, presented=presented,
-                                             accepted_before_write=accepted_before_write)  # fmt: skip
+                                             accepted_before_write=accepted_before_write, storing=storing)  # fmt: skip
                 if before_commit is not None and out.delivered:
                     # what was not offered before the write (`_claim_and_assign`) or the transaction, now
                     self._offer(out, out.delivered, before_commit)
@@ -1348,12 +1352,15 @@ class Store:
         write_reasons: bool = True,
         presented: Mapping[uuid.UUID, tuple[str, int]] | None = None,
         accepted_before_write: Callable[[list[int]], Awaitable[Sequence[Change]]] | None = None,
+        storing: Submissions | None = None,
     ) -> DispatchOutcome:
         """Claim, place and write (see `dispatch`). `nodes_locked`: every node `plan` may place on is
         locked by this transaction already. Without `write_reasons`, a claimed task left unplaced keeps the
         reason it had (`plan` saw only some of the nodes: it does not know the true one). `presented`:
         the tasks placed before the transaction (`_present`), each with its node and fencing token: one
-        placed on that node again is written with that token. `accepted_before_write`: see `dispatch`."""
+        placed on that node again is written with that token. `accepted_before_write`: see `dispatch`.
+        `storing`: a submission this transaction stores first (`out.submitted`), by the first claim's
+        statement (`insert_tasks_claiming`) when there is one, one round trip less."""
         claim_limit = out.limit
         claimed: list[uuid.UUID] = []
         claimed_rows: list[ClaimedTaskRow] = []
@@ -1364,10 +1371,18 @@ class Store:
         # nothing else to place (`claim_queued`)
         foreseen = sorted({node for node, _token in presented.values()}) if presented else []
         locked: set[str] = set()
+        if storing is not None and want <= 0:
+            out.submitted = [await self._insert_tasks(conn, storing, wake_dispatch=False)]
         while want > 0:
-            # rows this transaction locked already are not skipped by SKIP LOCKED: name them
-            got = await conn.fetch(self.q["claim_queued"], want, claimed, [] if claimed else foreseen,
-                                   list(presented or ()))  # fmt: skip
+            if storing is not None and not claimed:
+                got = await conn.fetch(self.q["insert_tasks_claiming"], want, claimed, foreseen, list(presented or ()),
+                                       storing.rows, reasons.WAITING, storing.actor)  # fmt: skip
+                out.submitted = [{r.id: r for r in TaskRow.many([g["stored"] for g in got if g["held"] is None])}]
+                got = [g for g in got if g["held"] is not None]
+            else:
+                # rows this transaction locked already are not skipped by SKIP LOCKED: name them
+                got = await conn.fetch(self.q["claim_queued"], want, claimed, [] if claimed else foreseen,
+                                       list(presented or ()))  # fmt: skip
             if got and got[0]["locked"] == len(foreseen) > 0 and not claimed:
                 locked = set(foreseen)
             if got and got[-1]["held"]:

@@ -12,32 +12,7 @@
 -- cpu, memory, disk, gpus, timeout, max_attempts, requeue_on_node_loss, idempotency key, spec name,
 -- spec revision): an array parameter per column cost the client a type check and an encoding call per
 -- element. $2 the reason a queued task waits for, $3 who submitted them.
-WITH d AS (
-    SELECT (v->>0)::uuid AS id, v->>1 AS name, v->>2 AS spec, (v->>3)::int AS priority, (v->>4)::bigint AS cpu,
-           (v->>5)::bigint AS mem, (v->>6)::bigint AS disk, (v->>7)::int AS gpus, (v->>8)::float8 AS timeout,
-           (v->>9)::int AS max_attempts, (v->>10)::boolean AS requeue, v->>11 AS ikey, v->>12 AS spec_name,
-           (v->>13)::int AS spec_revision
-    FROM jsonb_array_elements($1::jsonb) AS r(v)
-), t AS (
-    INSERT INTO tasks (id, name, spec, state, reason, priority, cpu_millis, memory_bytes, disk_bytes, gpus,
-                       timeout_seconds, max_attempts, requeue_on_node_loss, idempotency_key, submitted_by,
-                       spec_name, spec_revision)
-    SELECT id, name, spec::jsonb, 'queued', $2, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, $3,
-           spec_name, spec_revision
-    FROM d
-    ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING *
-), e AS (
-    INSERT INTO task_events (task_id, from_state, to_state, reason, actor)
-    SELECT id, NULL, 'queued', NULL, $3 FROM t
-), a AS (
-    INSERT INTO audit_log (actor, action, target, detail)
-    SELECT $3, 'task.submit', id::text, jsonb_build_object('name', name) FROM t
-), n AS (
-    SELECT pg_notify('podium_dispatch', '') FROM t WHERE $4::bool LIMIT 1
-), r AS (
-    SELECT pg_notify('podium_resolve', '') FROM t WHERE t.image IS NOT NULL AND t.image_digest IS NULL LIMIT 1
-)
+WITH {{stored_tasks: $1 | $2 | $3 | $4}}
 SELECT t.*, (SELECT count(*) FROM n) + (SELECT count(*) FROM r) AS notified FROM t
 
 -- tasks_by_ids --
@@ -240,40 +215,38 @@ ORDER BY n.id FOR NO KEY UPDATE
 -- every task's (`c` is read whole first), and says so (`locked`, on every row): the pass then places
 -- on those nodes alone, and needs no statement of its own to lock them. Any other claim locks none:
 -- a pass that places elsewhere too locks all its nodes at once, in id order, as it always did.
-WITH c AS MATERIALIZED (
-    SELECT t.id, t.spec::text AS spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
-           t.attempts,
-           ARRAY(SELECT DISTINCT a.node_id FROM attempts a
-                 WHERE a.task_id = t.id AND a.state IN ('revoked', 'lost', 'failed')) AS avoid,
-           t.priority, t.created_at
-    FROM tasks t
-    WHERE t.state = 'queued' AND (t.image IS NULL OR t.image_digest IS NOT NULL)
-      AND NOT (t.id = ANY($2::uuid[]))
-    ORDER BY t.priority DESC, t.created_at, t.id
-    LIMIT $1
-    -- NO KEY: a claimed task's key never changes, and a stronger lock would hold a foreign key's
-    -- check (a log chunk of the task inserted by a group commit that holds nodes this pass then
-    -- locks: a deadlock, PostgreSQL's deadlock_timeout later)
-    FOR NO KEY UPDATE OF t SKIP LOCKED
-), lk AS (
-    SELECT n.id FROM nodes n
-    WHERE n.id = ANY($3::text[]) AND (SELECT count(*) FROM c) < $1
-      AND NOT EXISTS (SELECT 1 FROM c WHERE NOT (c.id = ANY($4::uuid[])))
-    ORDER BY n.id
-    FOR NO KEY UPDATE
-)
-SELECT id, spec, cpu_millis, memory_bytes, disk_bytes, gpus, reason, image_digest, attempts, avoid,
-       false AS held, priority, created_at, (SELECT count(*) FROM lk) AS locked
-FROM c
-UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true, NULL, NULL, (SELECT count(*) FROM lk)
--- (CASE, not AND: PostgreSQL orders an AND's terms by their cost, and would look at the queue for a
--- claim that filled its limit too)
-WHERE CASE WHEN (SELECT count(*) FROM c) < $1 THEN EXISTS (
-    SELECT 1 FROM tasks q
-    WHERE q.state = 'queued' AND (q.image IS NULL OR q.image_digest IS NOT NULL)
-      AND NOT (q.id = ANY($2::uuid[])) AND q.id NOT IN (SELECT id FROM c)) ELSE false END
+WITH {{claimable: $1 | $2}},
+{{claim_locks: c | $1 | $3 | $4}}
+{{claimed_rows: c | $1 | $2}}
 -- claim order (a materialized CTE's rows come back in no order SQL promises), the marker last
+ORDER BY held, priority DESC, created_at, id
+
+-- insert_tasks_claiming --
+-- A pass's submission stored ($5–$7, as insert_tasks takes them, no dispatcher woken: this pass claims
+-- them) and its first claim ($1–$4, as claim_queued takes them) in one statement: one round trip where
+-- the two were two, on the way of every submission a pass stores. A statement does not see the rows its
+-- own CTEs insert, so the new tasks (none of them locked by anyone else: no other transaction sees
+-- them) are merged into the claim of the queue as it was (`c`) in claim order, and cut to its limit;
+-- a new task left out, or one that is not claimable yet (an image to resolve), stays queued for the
+-- pass's next claim or the next pass, as a task claim_queued passed over. The tasks as stored come
+-- last, one row each (`stored`, `held` null), for the submission's answer.
+WITH {{stored_tasks: $5 | $6 | $7 | false}},
+{{claimable: $1 | $2}},
+m AS (
+    SELECT * FROM c
+    UNION ALL
+    SELECT t.id, t.spec::text, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
+           t.attempts, '{}'::text[], t.priority, t.created_at
+    FROM t WHERE t.image IS NULL OR t.image_digest IS NOT NULL
+    ORDER BY priority DESC, created_at, id
+    LIMIT $1
+),
+{{claim_locks: m | $1 | $3 | $4}}
+SELECT x.*, NULL::tasks AS stored, NULL::bigint AS notified FROM ({{claimed_rows: m | $1 | $2}}) x
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, ROW(t.*)::tasks,
+       (SELECT count(*) FROM r)
+FROM t
 ORDER BY held, priority DESC, created_at, id
 
 -- assign_tasks --
@@ -886,3 +859,80 @@ freed AS (
     WHERE n.id = f.node_id
     RETURNING n.id
 )
+
+-- _stored_tasks --
+-- insert_tasks' CTEs (`t`: the tasks stored), for insert_tasks and insert_tasks_claiming: the rows
+-- (__1__), the reason a queued task waits for (__2__), who submitted them (__3__), whether to wake
+-- a dispatcher (__4__). `r` (the resolver's NOTIFY) is sent only if the including statement reads it.
+d AS (
+    SELECT (v->>0)::uuid AS id, v->>1 AS name, v->>2 AS spec, (v->>3)::int AS priority, (v->>4)::bigint AS cpu,
+           (v->>5)::bigint AS mem, (v->>6)::bigint AS disk, (v->>7)::int AS gpus, (v->>8)::float8 AS timeout,
+           (v->>9)::int AS max_attempts, (v->>10)::boolean AS requeue, v->>11 AS ikey, v->>12 AS spec_name,
+           (v->>13)::int AS spec_revision
+    FROM jsonb_array_elements(__1__::jsonb) AS r(v)
+), t AS (
+    INSERT INTO tasks (id, name, spec, state, reason, priority, cpu_millis, memory_bytes, disk_bytes, gpus,
+                       timeout_seconds, max_attempts, requeue_on_node_loss, idempotency_key, submitted_by,
+                       spec_name, spec_revision)
+    SELECT id, name, spec::jsonb, 'queued', __2__, priority, cpu, mem, disk, gpus, timeout, max_attempts, requeue, ikey, __3__,
+           spec_name, spec_revision
+    FROM d
+    ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING *
+), e AS (
+    INSERT INTO task_events (task_id, from_state, to_state, reason, actor)
+    SELECT id, NULL, 'queued', NULL, __3__ FROM t
+), a AS (
+    INSERT INTO audit_log (actor, action, target, detail)
+    SELECT __3__, 'task.submit', id::text, jsonb_build_object('name', name) FROM t
+), n AS (
+    SELECT pg_notify('podium_dispatch', '') FROM t WHERE __4__::bool LIMIT 1
+), r AS (
+    SELECT pg_notify('podium_resolve', '') FROM t WHERE t.image IS NOT NULL AND t.image_digest IS NULL LIMIT 1
+)
+
+-- _claimable --
+-- claim_queued's claim, `c`: up to __1__ queued tasks in claim order, none of __2__, locked.
+c AS MATERIALIZED (
+    SELECT t.id, t.spec::text AS spec, t.cpu_millis, t.memory_bytes, t.disk_bytes, t.gpus, t.reason, t.image_digest,
+           t.attempts,
+           ARRAY(SELECT DISTINCT a.node_id FROM attempts a
+                 WHERE a.task_id = t.id AND a.state IN ('revoked', 'lost', 'failed')) AS avoid,
+           t.priority, t.created_at
+    FROM tasks t
+    WHERE t.state = 'queued' AND (t.image IS NULL OR t.image_digest IS NOT NULL)
+      AND NOT (t.id = ANY(__2__::uuid[]))
+    ORDER BY t.priority DESC, t.created_at, t.id
+    LIMIT __1__
+    -- NO KEY: a claimed task's key never changes, and a stronger lock would hold a foreign key's
+    -- check (a log chunk of the task inserted by a group commit that holds nodes this pass then
+    -- locks: a deadlock, PostgreSQL's deadlock_timeout later)
+    FOR NO KEY UPDATE OF t SKIP LOCKED
+)
+
+-- _claim_locks --
+-- claim_queued's `lk`: the nodes __3__ locked, in id order, when the claim __1__ came up short of
+-- __2__ with none but the tasks __4__.
+lk AS (
+    SELECT n.id FROM nodes n
+    WHERE n.id = ANY(__3__::text[]) AND (SELECT count(*) FROM __1__) < __2__
+      AND NOT EXISTS (SELECT 1 FROM __1__ WHERE NOT (__1__.id = ANY(__4__::uuid[])))
+    ORDER BY n.id
+    FOR NO KEY UPDATE
+)
+
+-- _claimed_rows --
+-- claim_queued's answer, in no order: the claimed rows of __1__, and, when they are fewer than __2__,
+-- the marker row if a queued task (none of __3__ nor of `c`) was passed over because another
+-- transaction holds it.
+SELECT id, spec, cpu_millis, memory_bytes, disk_bytes, gpus, reason, image_digest, attempts, avoid,
+       false AS held, priority, created_at, (SELECT count(*) FROM lk) AS locked
+FROM __1__
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true, NULL, NULL, (SELECT count(*) FROM lk)
+-- (CASE, not AND: PostgreSQL orders an AND's terms by their cost, and would look at the queue for a
+-- claim that filled its limit too)
+WHERE CASE WHEN (SELECT count(*) FROM __1__) < __2__ THEN EXISTS (
+    SELECT 1 FROM tasks q
+    WHERE q.state = 'queued' AND (q.image IS NULL OR q.image_digest IS NOT NULL)
+      AND NOT (q.id = ANY(__3__::uuid[])) AND q.id NOT IN (SELECT id FROM c)) ELSE false END
