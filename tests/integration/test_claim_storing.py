@@ -12,8 +12,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
+import pytest
 
 from podium import reasons
+from podium.errors import StoreUnavailable
 from podium.spec import TaskSpec
 from podium.store import Store
 from podium.store.db import Submissions
@@ -132,3 +134,27 @@ async def test_a_task_with_an_image_to_resolve_is_stored_not_claimed_and_wakes_t
         assert heard == ["podium_resolve"]
     t = await store.get_task(boxed)
     assert (t.state, t.image, t.image_digest) == ("queued", "registry.test/app:1", None)
+
+
+async def test_a_row_type_a_migration_changed_is_read_again_after_one_failed_operation(db_url: str) -> None:
+    """A newer replica's migration adds a column to `tasks` while this server has the row's type in
+    its driver's cache: the next statement that returns a whole row fails as if its connection were
+    lost (nothing written; asyncpg drops its cached types then), and the one after reads the row."""
+    store = await Store.connect(db_url, min_size=1, max_size=1)
+    try:
+
+        async def claim_storing() -> list[TaskRow]:
+            async with store._conn() as c, c.transaction():
+                return (await _claim_storing(c, _subs(store, TaskSpec(command=["true"])), 10))[1]
+
+        await claim_storing()
+        async with store.pool.acquire() as c:
+            await c.execute("ALTER TABLE tasks ADD COLUMN added_later int")
+        with pytest.raises(StoreUnavailable):
+            await claim_storing()
+        [stored] = await claim_storing()
+        assert (await store.get_task(stored.id)).state == "queued"
+        async with store.pool.acquire() as c:
+            assert await c.fetchval("SELECT count(*) FROM tasks") == 2, "the failed one stored nothing"
+    finally:
+        await store.close()
