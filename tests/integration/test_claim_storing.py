@@ -158,3 +158,56 @@ async def test_a_row_type_a_migration_changed_is_read_again_after_one_failed_ope
             assert await c.fetchval("SELECT count(*) FROM tasks") == 2, "the failed one stored nothing"
     finally:
         await store.close()
+
+
+class _Watching:
+    """A dispatch plan that wants `chunk` tasks a claim and places none: what each claim of a pass
+    returned, in order (the store's dispatch is real; placement is not what these tests look at)."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self.claims: list[list[uuid.UUID]] = []
+
+    def begin(self, changed: Any, room: Any, horizon: Any, operations: Any) -> None:
+        pass
+
+    def want(self, claimed: int, limit: int) -> int:
+        return self.chunk
+
+    def place(self, tasks: Any) -> tuple[list[Any], dict[uuid.UUID, str]]:
+        self.claims.append([t.id for t in tasks])
+        return [], {}
+
+    def foresee(self, tasks: Any) -> list[Any]:
+        return []
+
+
+async def _pass(store: Store, plan: _Watching, sub: Submissions) -> Any:
+    return await store.dispatch(claim_limit=10, accept_seconds=30, lease_seconds=30, plan=plan, actor="scheduler:test",
+                                submissions=[sub])  # fmt: skip
+
+
+async def test_a_pass_claims_on_after_the_claim_that_stored_its_submission(store: Store) -> None:
+    # the new task outranks the queue: the first claim (chunks of 2) cuts a queued task it locked,
+    # and the pass's next claim returns it and the rest
+    olds = [await submit(store, priority=0) for _ in range(3)]
+    sub = _subs(store, TaskSpec(command=["true"], priority=5))
+    plan = _Watching(2)
+    out = await _pass(store, plan, sub)
+    assert plan.claims == [[sub.ids[0], olds[0]], [olds[1], olds[2]], []]
+    assert out.claimed == 4 and not out.held and list(out.submitted[0]) == list(sub.ids)
+
+
+async def test_a_pass_with_no_room_to_claim_for_still_stores_its_submission(store: Store) -> None:
+    sub = _subs(store, TaskSpec(command=["true"]))
+    plan = _Watching(0)
+    out = await _pass(store, plan, sub)
+    assert list(out.submitted[0]) == list(sub.ids) and plan.claims == []
+    assert (await store.get_task(sub.ids[0])).state == "queued"
+
+
+async def test_a_submission_its_handler_stored_first_is_answered_as_not_stored_by_the_pass(store: Store) -> None:
+    sub = _subs(store, TaskSpec(command=["true"]))
+    await store.submit_many([(TaskSpec(command=["true"]), None)], actor="op", ids=sub.ids)
+    out = await _pass(store, _Watching(2), sub)
+    assert out.submitted == [], "stored by its handler: the pass answers that it stored nothing of it"

@@ -228,8 +228,12 @@ ORDER BY held, priority DESC, created_at, id
 -- own CTEs insert, so the new tasks (none of them locked by anyone else: no other transaction sees
 -- them) are merged into the claim of the queue as it was (`c`) in claim order, and cut to its limit;
 -- a new task left out, or one that is not claimable yet (an image to resolve), stays queued for the
--- pass's next claim or the next pass, as a task claim_queued passed over. The tasks as stored come
--- last, one row each (`stored`, `held` null), for the submission's answer.
+-- pass's next claim or the next pass, as a task claim_queued passed over. A queued task `c` locked and
+-- the cut left out (new tasks outranked it) stays locked by this pass, unclaimed: its next claim returns
+-- it (SKIP LOCKED does not skip a transaction's own locks), else its COMMIT lets it go. The tasks as
+-- stored come last, one whole row each (`stored`, `held` null), for the submission's answer: so every
+-- column of `tasks` must be of a type the driver reads in binary (a migration that changes the table
+-- fails this statement once on a server that had read the row's type, as a lost connection would).
 WITH {{stored_tasks: $5 | $6 | $7 | false}},
 {{claimable: $1 | $2}},
 m AS (
