@@ -21,7 +21,7 @@ from podium.store import Store
 from podium.store.db import Submissions
 from podium.store.queries import queries
 from podium.store.rows import TaskRow
-from tests.integration.helpers import submit
+from tests.integration.helpers import submit, until
 
 
 def _subs(store: Store, *specs: TaskSpec) -> Submissions:
@@ -126,11 +126,10 @@ async def test_a_task_with_an_image_to_resolve_is_stored_not_claimed_and_wakes_t
         stored = {r["stored"]["id"]: r["notified"] for r in got if r["held"] is None}
         assert claimed == [plain] and set(stored) == {boxed, plain}
         assert set(stored.values()) == {1}, "the resolver's NOTIFY sent"
-        for _ in range(100):
-            if heard:
-                break
-            await listener.execute("SELECT 1")
-        await listener.remove_listener("podium_resolve", note)
+        try:
+            await until(lambda: bool(heard), "the resolver's NOTIFY heard")
+        finally:
+            await listener.remove_listener("podium_resolve", note)
         assert heard == ["podium_resolve"]
     t = await store.get_task(boxed)
     assert (t.state, t.image, t.image_digest) == ("queued", "registry.test/app:1", None)
